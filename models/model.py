@@ -1,0 +1,210 @@
+"""One Flax NNX decoder for Llama, Mistral, Qwen2 and Qwen3.
+
+Layer parameters are stacked on a leading ``[L, ...]`` axis and the forward pass is a ``lax.scan`` over
+layers. The KV cache is not module state: it is a pytree with a leading layer axis passed in and out, and
+what a layer does with its keys and values is an ``AttendFn`` supplied by the caller (Full-KV, QEvict and
+every baseline plug in there). With ``cache=None`` the forward is plain causal attention, no cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import apply_rope, chunked_attention
+from models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerContext:
+    """What an attention function may need besides q, k, v (built inside the traced forward).
+
+    positions: [B, T] int32 absolute positions of the current tokens.
+    layer: [] int32 index of the layer being run.
+    inv_freq: [D/2] float32 RoPE inverse frequencies (to un-rotate / re-rotate keys).
+    cfg: the static model config.
+    """
+
+    positions: jax.Array
+    layer: jax.Array
+    inv_freq: jax.Array
+    cfg: ModelConfig
+
+
+# (q [B,T,H,D] post-RoPE, k [B,T,Hkv,D] post-RoPE, v [B,T,Hkv,D], layer_cache, ctx) -> (out [B,T,H,D], cache)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, LayerContext], tuple[jax.Array, Any]]
+
+
+def uncached_attend(q, k, v, layer_cache, ctx: LayerContext):
+    """Causal attention over the current tokens only (no cache); ``layer_cache`` is passed through."""
+    out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window)
+    return out, layer_cache
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 (as Hugging Face does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """Nested dict of every parameter's shape, the checkpoint layout (linear weights are [in, out])."""
+    L, dm, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    hq, hkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers: dict[str, tuple[int, ...]] = {
+        "attn_norm": (L, dm),
+        "wq": (L, dm, hq),
+        "wk": (L, dm, hkv),
+        "wv": (L, dm, hkv),
+        "wo": (L, hq, dm),
+        "mlp_norm": (L, dm),
+        "w_gate": (L, dm, f),
+        "w_up": (L, dm, f),
+        "w_down": (L, f, dm),
+    }
+    if cfg.attention_bias:
+        layers |= {"bq": (L, hq), "bk": (L, hkv), "bv": (L, hkv)}
+    if cfg.qk_norm:
+        layers |= {"q_norm": (L, cfg.head_dim), "k_norm": (L, cfg.head_dim)}
+    shapes: dict[str, Any] = {
+        "embed": (cfg.vocab_size, dm),
+        "layers": layers,
+        "final_norm": (dm,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (dm, cfg.vocab_size)
+    return shapes
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading [L] axis."""
+
+    def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        for name, shape in param_shapes(cfg)["layers"].items():
+            if name.endswith("norm"):
+                value = jnp.ones(shape, dtype)
+            elif name.startswith("b"):
+                value = jnp.zeros(shape, dtype)
+            else:
+                value = init(rngs.params(), shape, dtype)
+            setattr(self, name, nnx.Param(value))
+        self.names = tuple(param_shapes(cfg)["layers"])
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer. Params: embed [V, Dm], layers.* [L, ...], final_norm [Dm], lm_head [Dm, V]."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.cfg = cfg
+        self.dtype = dtype
+        shapes = param_shapes(cfg)
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shapes["embed"], dtype))
+        self.layers = DecoderLayers(cfg, dtype, rngs)
+        self.final_norm = nnx.Param(jnp.ones(shapes["final_norm"], dtype))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shapes["lm_head"], dtype))
+
+    def _layer(self, x: jax.Array, p: dict[str, jax.Array], layer_cache: Any, ctx: LayerContext, attend):
+        """One decoder layer: x [B, T, Dm] -> x [B, T, Dm]."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q = h @ p["wq"]
+        k = h @ p["wk"]
+        v = h @ p["wv"]
+        if cfg.attention_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, ctx.positions, ctx.inv_freq)
+        k = apply_rope(k, ctx.positions, ctx.inv_freq)
+        attn, layer_cache = attend(q, k, v, layer_cache, ctx)
+        x = x + attn.reshape(b, t, -1).astype(x.dtype) @ p["wo"]
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+        return x, layer_cache
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: Any = None,
+        attend: AttendFn = uncached_attend,
+        logit_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """Forward pass.
+
+        tokens, positions: [B, T] int32. cache: pytree with leading [L] axis on every array, or None.
+        logit_index: [B] int32, when given only the logits at ``tokens[b, logit_index[b]]`` are computed.
+        Returns (logits [B, T, V] float32, or [B, V] with logit_index; the updated cache).
+        """
+        cfg = self.cfg
+        x = self.embed[...][tokens]
+        inv_freq = jnp.asarray(cfg.inv_freq(), jnp.float32)
+        stacked = self.layers.stacked()
+
+        def body(x, xs):
+            p, layer_cache, layer = xs
+            ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
+            x, layer_cache = self._layer(x, p, layer_cache, ctx, attend)
+            return x, layer_cache
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        x, cache = jax.lax.scan(body, x, (stacked, cache, layer_ids))
+        if logit_index is not None:
+            x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
+        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        return logits, cache
+
+
+def to_params(model: Transformer) -> dict[str, Any]:
+    """The model's parameters as a nested dict of arrays, in the checkpoint layout of ``param_shapes``."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def from_params(cfg: ModelConfig, params: dict[str, Any], dtype: Any = None) -> Transformer:
+    """Build a Transformer holding ``params`` (checked against ``param_shapes(cfg)``, cast to ``dtype``)."""
+    check_param_shapes(cfg, params)
+    if dtype is None:
+        dtype = jnp.asarray(params["embed"]).dtype
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    cast = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    nnx.replace_by_pure_dict(state, cast)
+    nnx.update(model, state)
+    return model
+
+
+def check_param_shapes(cfg: ModelConfig, params: dict[str, Any]) -> None:
+    """Raise a ValueError naming every missing, unexpected or mis-shaped parameter."""
+    expected = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
+    want = {jax.tree_util.keystr(path): shape for path, shape in expected[0]}
+    got = {jax.tree_util.keystr(path): tuple(np.shape(a)) for path, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    problems = []
+    for name in sorted(want.keys() - got.keys()):
+        problems.append(f"missing {name} (expected shape {want[name]})")
+    for name in sorted(got.keys() - want.keys()):
+        problems.append(f"unexpected {name}")
+    for name in sorted(want.keys() & got.keys()):
+        if want[name] != got[name]:
+            problems.append(f"{name}: shape {got[name]}, expected {want[name]}")
+    if problems:
+        raise ValueError("checkpoint does not match the model config: " + "; ".join(problems))
