@@ -2,9 +2,10 @@
 
 A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) with three functions:
 
-- ``init_cache(model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype)``: an empty cache pytree,
-  every array with a leading layer axis ``[L, ...]``; ``prompt_lengths`` [B] int32 are the real lengths of the
-  right-padded prompts (``prompt_capacity`` tokens each).
+- ``init_cache(model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens)``: an empty
+  cache pytree, every array with a leading layer axis ``[L, ...]``; ``prompt_lengths`` [B] int32 are the real
+  lengths of the right-padded prompts (``prompt_capacity`` tokens each); a budgeted method sizes its buffers
+  for ``budget_tokens`` tokens per row (static; methods with ``uses_budget = False`` ignore it).
 - ``prefill_attend(q, k, v, layer_cache, ctx)`` and ``decode_attend(...)``: the decoder's ``AttendFn`` for the
   prompt pass (positions ``0..P-1``, rows right-padded) and for one decoded token per row.
 """
@@ -33,6 +34,7 @@ class KVMethod(Protocol):
         prompt_capacity: int,
         max_new_tokens: int,
         dtype: Any,
+        budget_tokens: int,
     ) -> Any: ...
 
     def prefill_attend(self, q, k, v, layer_cache, ctx: LayerContext) -> tuple[jax.Array, Any]: ...
@@ -79,7 +81,9 @@ class FullKV:
     name: str = "full"
     prefill_chunk: int = 512
 
-    def init_cache(self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype) -> FullCache:
+    def init_cache(
+        self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens=0
+    ) -> FullCache:
         b = prompt_lengths.shape[0]
         cap = prompt_capacity + max_new_tokens
         shape = (model_cfg.num_layers, b, model_cfg.num_kv_heads, cap, model_cfg.head_dim)

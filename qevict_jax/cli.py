@@ -1,0 +1,197 @@
+"""The ``qevict`` command line: convert checkpoints, generate, run needle checks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, converted folder, HF folder or .gguf")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)")
+
+
+def _add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
+    if multi:
+        p.add_argument("--methods", default="full", help="comma-separated method names")
+        p.add_argument("--budgets", default="0.2", help="comma-separated budgets β (fraction of full-KV bytes)")
+    else:
+        p.add_argument("--method", default="full", help="KV-cache method (see `qevict methods`)")
+        p.add_argument("--budget", type=float, default=0.2, help="budget β: fraction of full-KV bytes")
+
+
+def _add_sampler_args(p: argparse.ArgumentParser, max_new: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qevict", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a HF safetensors folder or a GGUF file to an orbax checkpoint")
+    p.add_argument("src")
+    p.add_argument("out")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+    p = sub.add_parser("generate", help="generate from a prompt file")
+    _add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-file", type=Path)
+    src.add_argument("--prompt", help="prompt text")
+    p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
+    _add_method_args(p)
+    _add_sampler_args(p, 64)
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+
+    p = sub.add_parser("needle", help="seeded needle-in-a-haystack prompts over pydoc prose; accuracy per method")
+    _add_model_args(p)
+    _add_method_args(p, multi=True)
+    p.add_argument("--context-tokens", type=int, default=4000)
+    p.add_argument("--samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print one JSON line per sample")
+
+    sub.add_parser("methods", help="list the available KV-cache methods")
+    return parser
+
+
+def _load(args):
+    import jax.numpy as jnp
+
+    from models.checkpoint import load_model
+    from models.registry import resolve_model
+    from models.tokenizer import Tokenizer
+
+    path = resolve_model(args.model)
+    dtype = {None: None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    cfg, model = load_model(path, dtype=dtype)
+    return cfg, model, Tokenizer.from_dir(path)
+
+
+def _eos_ids(cfg, tok) -> tuple[int, ...]:
+    return tuple(sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids)))
+
+
+def cmd_generate(args) -> int:
+    from qevict_jax.generate import SamplerConfig, generate
+    from qevict_jax.methods import cache_stats, make_method
+
+    method = make_method(args.method, args.budget)
+    text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    cfg, model, tok = _load(args)
+    if not args.no_chat and tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = tok.encode(text)
+    sampler = SamplerConfig(args.max_new_tokens, args.temperature, args.top_p, _eos_ids(cfg, tok))
+    res = generate(model, [ids], sampler, method, seed=args.seed)
+    out = tok.decode(res.tokens[0])
+    record = {
+        "text": out,
+        "method": method.name,
+        "budget": getattr(method, "budget", 1.0),
+        "memory_ratio": res.memory_ratio,
+        "cache_bytes": res.cache_bytes,
+        "full_kv_bytes": res.full_kv_bytes,
+        "prompt_tokens": len(ids),
+        "new_tokens": res.new_tokens,
+        "ttft_s": res.ttft_s,
+        "decode_tokens_per_s": res.decode_tokens_per_s,
+        **cache_stats(res.cache),
+    }
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(out)
+        print(
+            f"\n[{method.name}] prompt {len(ids)} tokens, {res.new_tokens} new; TTFT {res.ttft_s:.2f}s; "
+            f"decode {res.decode_tokens_per_s:.1f} tok/s; memory ratio {res.memory_ratio:.3f} "
+            f"({res.cache_bytes} / {res.full_kv_bytes} bytes)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_needle(args) -> int:
+    from qevict_jax.generate import SamplerConfig, generate
+    from qevict_jax.methods import make_method
+    from qevict_jax.needle import needle_correct, needle_prompt_text, needle_sample
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    budgets = [float(b) for b in args.budgets.split(",")]
+    runs = []
+    for name in methods:
+        for b in [1.0] if name == "full" else budgets:
+            runs.append(make_method(name, b))
+    cfg, model, tok = _load(args)
+    sampler = SamplerConfig(args.max_new_tokens, eos_ids=_eos_ids(cfg, tok))
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_bos=False))
+
+    prompts = []
+    for i in range(args.samples):
+        s = needle_sample(args.seed + i, args.context_tokens, count)
+        text = tok.apply_chat_template([{"role": "user", "content": needle_prompt_text(s)}], add_generation_prompt=True)
+        prompts.append((s, tok.encode(text + s.answer_prefix)))
+    rows = []
+    for method in runs:
+        correct, ratios, ttft, tps = 0, [], [], []
+        for s, ids in prompts:
+            res = generate(model, [ids], sampler, method)
+            answer = tok.decode(res.tokens[0])
+            ok = needle_correct(s, answer)
+            correct += ok
+            ratios.append(res.memory_ratio)
+            ttft.append(res.ttft_s)
+            tps.append(res.decode_tokens_per_s)
+            if args.json:
+                print(json.dumps({"method": method.name, "budget": getattr(method, "budget", 1.0), "answer": answer,
+                                  "expected": s.answer, "correct": ok, "prompt_tokens": len(ids),
+                                  "memory_ratio": res.memory_ratio, "ttft_s": res.ttft_s}), flush=True)
+            else:
+                print(f"  {method.name:>14} β={getattr(method, 'budget', 1.0):<5} depth={s.depth:.2f} "
+                      f"prompt={len(ids)} ok={ok} answer={answer.strip()!r} (expected {s.answer})", file=sys.stderr)
+        rows.append((method.name, getattr(method, "budget", 1.0), correct / len(prompts), sum(ratios) / len(ratios),
+                     sum(ttft) / len(ttft), sum(tps) / len(tps), len(prompts[0][1])))
+    print("| method | budget β | needle accuracy | measured memory ratio | TTFT (s) | decode tok/s | prompt tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for name, b, acc, ratio, t, s, n in rows:
+        print(f"| {name} | {b:g} | {acc:.2f} | {ratio:.3f} | {t:.2f} | {s:.1f} | {n} |")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from models.convert import convert
+
+    out = convert(args.src, args.out, dtype=args.dtype)
+    print(f"converted {args.src} -> {out}")
+    return 0
+
+
+def cmd_methods(args) -> int:
+    from qevict_jax.methods import available_methods
+
+    print("\n".join(available_methods()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"convert": cmd_convert, "generate": cmd_generate, "needle": cmd_needle, "methods": cmd_methods}
+    try:
+        return handler[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"qevict: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Full-KV generation: cached decoding equals the uncached forward; batches equal single rows; one compile."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import ModelConfig
+from models.model import Transformer
+from qevict_jax import generate as gen
+from qevict_jax.generate import SamplerConfig, bucket_floor, bucket_length, generate, sample
+
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    from flax import nnx
+
+    # larger init than the default so greedy choices are not near-ties
+    m = Transformer(TINY, rngs=nnx.Rngs(3))
+    state = nnx.state(m, nnx.Param)
+    scaled = jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state)
+    nnx.update(m, scaled)
+    return m
+
+
+def greedy_uncached(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    """Reference: recompute the whole sequence without a cache for every new token."""
+    seq = list(prompt)
+    for _ in range(n):
+        tok = jnp.asarray([seq])
+        logits, _ = model(tok, jnp.arange(len(seq))[None])
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq[len(prompt) :]
+
+
+def test_cached_decoding_equals_uncached_forward(model):
+    prompt = list(np.random.RandomState(0).randint(0, TINY.vocab_size, 37))
+    res = generate(model, [prompt], SamplerConfig(max_new_tokens=12))
+    assert res.tokens[0] == greedy_uncached(model, prompt, 12)
+
+
+def test_cached_logits_equal_uncached_logits_every_step(model):
+    """Decode-step logits of the Full-KV cache equal the uncached forward's logits at every position."""
+    from qevict_jax.kv import FullKV
+
+    rs = np.random.RandomState(1)
+    seq = rs.randint(0, TINY.vocab_size, 40)
+    ref, _ = model(jnp.asarray(seq)[None], jnp.arange(40)[None])
+    method = FullKV()
+    p = 25
+    cache = method.init_cache(TINY, jnp.asarray([p]), 64, 20, jnp.float32)
+    tokens = np.zeros((1, 64), np.int32)
+    tokens[0, :p] = seq[:p]
+    logits, cache = model(
+        jnp.asarray(tokens), jnp.arange(64)[None], cache, attend=method.prefill_attend, logit_index=jnp.asarray([p - 1])
+    )
+    np.testing.assert_allclose(logits[0], ref[0, p - 1], atol=1e-5)
+    for i in range(p, 40):
+        logits, cache = model(jnp.asarray([[seq[i]]]), jnp.asarray([[i]]), cache, attend=method.decode_attend)
+        np.testing.assert_allclose(logits[0, 0], ref[0, i], atol=1e-5)
+
+
+def test_mixed_length_batch_equals_single_rows(model):
+    rs = np.random.RandomState(2)
+    prompts = [list(rs.randint(0, TINY.vocab_size, n)) for n in (5, 70, 33)]
+    sampler = SamplerConfig(max_new_tokens=10)
+    batch = generate(model, prompts, sampler)
+    for i, p in enumerate(prompts):
+        assert batch.tokens[i] == generate(model, [p], sampler).tokens[0]
+
+
+def test_eos_stops_each_row():
+    """A row stops at its first EOS (kept), the others go on; EOS chosen from an unconstrained run."""
+    from flax import nnx
+
+    m = Transformer(TINY, rngs=nnx.Rngs(5))
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    free = generate(m, prompts, SamplerConfig(max_new_tokens=8))
+    eos = free.tokens[0][3]
+    res = generate(m, prompts, SamplerConfig(max_new_tokens=8, eos_ids=(eos,)))
+    first = free.tokens[0].index(eos)
+    assert res.tokens[0] == free.tokens[0][: first + 1]
+    row1 = free.tokens[1]
+    expect1 = row1[: row1.index(eos) + 1] if eos in row1 else row1
+    assert res.tokens[1] == expect1
+
+
+def test_one_compilation_per_bucket(model):
+    sampler = SamplerConfig(max_new_tokens=4)
+    before = dict(gen.TRACE_COUNTS)
+    rs = np.random.RandomState(3)
+    # 65..128 share a bucket; 129 starts a new one
+    for n in (70, 90, 128):
+        generate(model, [list(rs.randint(0, TINY.vocab_size, n))], sampler)
+    mid = dict(gen.TRACE_COUNTS)
+    assert mid.get("prefill", 0) - before.get("prefill", 0) <= 1
+    assert mid.get("decode", 0) - before.get("decode", 0) <= 1
+    generate(model, [list(rs.randint(0, TINY.vocab_size, 129))], sampler)
+    assert gen.TRACE_COUNTS["prefill"] - mid.get("prefill", 0) == 1
+
+
+def test_bucket_lengths():
+    assert bucket_length(1) == 64
+    assert bucket_length(64) == 64
+    assert bucket_length(65) == 128
+    assert bucket_length(4000) == 4096
+    assert bucket_length(4097) == 4352
+    for n in (1, 63, 65, 500, 1000, 4000, 8191):
+        b = bucket_length(n)
+        assert b >= n and (b - n) <= max(63, n // 8)
+        lo = bucket_floor(n)
+        assert bucket_length(lo) == b and (lo == 1 or bucket_length(lo - 1) < b)
+
+
+def test_prompt_longer_than_capacity_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="context capacity of 512"):
+        generate(model, [[1] * 500], SamplerConfig(max_new_tokens=20))
+    with pytest.raises(ValueError, match="outside"):
+        generate(model, [[1, 2, 1000]], SamplerConfig(max_new_tokens=2))
+
+
+def test_top_p_sampling_keeps_the_nucleus():
+    """With top_p, only tokens inside the nucleus are ever drawn; greedy picks the argmax."""
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    sampler = SamplerConfig(max_new_tokens=1, temperature=1.0, top_p=0.7)
+    draws = {int(sample(logits, jax.random.key(i), sampler)[0]) for i in range(200)}
+    assert draws == {0, 1}
+    assert int(sample(logits, jax.random.key(0), SamplerConfig(max_new_tokens=1))[0]) == 0
+    full = {int(sample(logits, jax.random.key(i), SamplerConfig(1, temperature=1.0))[0]) for i in range(400)}
+    assert full == {0, 1, 2, 3}
