@@ -82,15 +82,44 @@ def sample(logits: jax.Array, rng: jax.Array, sampler: SamplerConfig) -> jax.Arr
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+def _prefill_logits(model: Transformer, tokens, lengths, method: KVMethod, max_new_tokens: int, budget_tokens: int):
+    """tokens [B, P] right-padded, lengths [B] -> (logits at each row's last prompt token [B, V], cache)."""
+    b, p = tokens.shape
+    cache = method.init_cache(model.cfg, lengths, p, max_new_tokens, model.dtype, budget_tokens)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    return model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
+
+
 def _prefill(graphdef, state, tokens, lengths, rng, method: KVMethod, sampler: SamplerConfig, budget_tokens: int):
     """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache)."""
     TRACE_COUNTS["prefill"] += 1
     model: Transformer = nnx.merge(graphdef, state)
-    b, p = tokens.shape
-    cache = method.init_cache(model.cfg, lengths, p, sampler.max_new_tokens, model.dtype, budget_tokens)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, cache = model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
+    logits, cache = _prefill_logits(model, tokens, lengths, method, sampler.max_new_tokens, budget_tokens)
     return sample(logits, rng, sampler), cache
+
+
+def _teacher_forced(graphdef, state, tokens, lengths, targets, method: KVMethod, budget_tokens: int):
+    """Prefill, then feed ``targets`` [B, T] one token per step (teacher forcing).
+
+    Returns (log-probabilities [B, T, V] of each target position given everything before it, cache).
+    """
+    TRACE_COUNTS["teacher_forced"] += 1
+    model: Transformer = nnx.merge(graphdef, state)
+    t = targets.shape[1]
+    logits0, cache = _prefill_logits(model, tokens, lengths, method, t, budget_tokens)
+
+    def body(cache, xs):
+        token, step = xs
+        logits, cache = model(token[:, None], (lengths + step)[:, None], cache, attend=method.decode_attend)
+        return cache, jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+
+    steps = jnp.arange(t - 1, dtype=jnp.int32)
+    cache, rest = jax.lax.scan(body, cache, (targets[:, :-1].T, steps))
+    first = jax.nn.log_softmax(logits0.astype(jnp.float32), axis=-1)
+    return jnp.concatenate([first[:, None], rest.swapaxes(0, 1)], axis=1), cache
+
+
+_teacher_forced_jit = jax.jit(_teacher_forced, static_argnums=(0, 5, 6))
 
 
 def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampler: SamplerConfig):
@@ -190,17 +219,8 @@ def generate(
     method = method or FullKV()
     cfg = model.cfg
     check_prompts(prompts, cfg, sampler)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    p_cap = bucket_length(int(lengths.max()))
-    tokens = np.zeros((len(prompts), p_cap), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    if getattr(method, "uses_budget", False):
-        shortest = int(lengths.min())
-        base = bucket_floor(shortest) if budget_rounding == "bucket" else shortest
-        budget_tokens = base + sampler.max_new_tokens
-    else:
-        budget_tokens = 0
+    tokens, lengths = _pad_prompts(prompts)
+    budget_tokens = _budget_tokens(method, lengths, sampler.max_new_tokens, budget_rounding)
     graphdef, state = nnx.split(model)
     rng = jax.random.key(seed)
     k_prefill, k_decode = jax.random.split(rng)
@@ -225,4 +245,66 @@ def generate(
         cache=cache,
         cache_bytes=cache_nbytes(cache),
         full_kv_bytes=full_kv_bytes(cfg, final_tokens, dtype),
+    )
+
+
+def _budget_tokens(method: KVMethod, lengths: np.ndarray, max_new_tokens: int, budget_rounding: str) -> int:
+    """Tokens per row a budgeted method sizes its cache for (0 for methods without a budget)."""
+    if not getattr(method, "uses_budget", False):
+        return 0
+    if budget_rounding not in ("bucket", "exact"):
+        raise ValueError(f"budget_rounding must be 'bucket' or 'exact', got {budget_rounding!r}")
+    shortest = int(lengths.min())
+    base = bucket_floor(shortest) if budget_rounding == "bucket" else shortest
+    return base + max_new_tokens
+
+
+def _pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad prompts to their length bucket: (tokens [B, P] int32, lengths [B] int32)."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), bucket_length(int(lengths.max()))), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, lengths
+
+
+@dataclasses.dataclass
+class TeacherForcedResult:
+    logprobs: np.ndarray  # [B, T, V] float32 log-probabilities at each target position
+    cache_bytes: int
+    full_kv_bytes: int
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.cache_bytes / self.full_kv_bytes
+
+
+def teacher_forced(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    targets: np.ndarray,
+    method: KVMethod | None = None,
+    budget_rounding: str = "bucket",
+) -> TeacherForcedResult:
+    """Log-probabilities of the next token at every position of ``targets`` [B, T] after each prompt.
+
+    The method's cache is built from the prompt and then updated by every target token, exactly as in
+    decoding, so its next-token distributions can be compared with Full-KV's (fidelity).
+    """
+    method = method or FullKV()
+    targets = np.asarray(targets, np.int32)
+    if targets.ndim != 2 or targets.shape[0] != len(prompts):
+        raise ValueError(f"targets must be [B={len(prompts)}, T], got shape {targets.shape}")
+    check_prompts(prompts, model.cfg, SamplerConfig(max_new_tokens=targets.shape[1]))
+    tokens, lengths = _pad_prompts(prompts)
+    budget_tokens = _budget_tokens(method, lengths, targets.shape[1], budget_rounding)
+    graphdef, state = nnx.split(model)
+    logprobs, cache = _teacher_forced_jit(
+        graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(targets), method, budget_tokens
+    )
+    final_tokens = int(lengths.sum()) + len(prompts) * (targets.shape[1] - 1)
+    return TeacherForcedResult(
+        logprobs=np.asarray(logprobs),
+        cache_bytes=cache_nbytes(cache),
+        full_kv_bytes=full_kv_bytes(model.cfg, final_tokens, model.dtype),
     )

@@ -142,3 +142,17 @@ def test_top_p_sampling_keeps_the_nucleus():
     assert int(sample(logits, jax.random.key(0), SamplerConfig(max_new_tokens=1))[0]) == 0
     full = {int(sample(logits, jax.random.key(i), SamplerConfig(1, temperature=1.0))[0]) for i in range(400)}
     assert full == {0, 1, 2, 3}
+
+
+def test_teacher_forced_logprobs_equal_uncached_forward(model):
+    """Teacher-forced Full-KV log-probs equal log_softmax of the uncached forward over prompt + targets."""
+    from qevict_jax.generate import teacher_forced
+
+    rs = np.random.RandomState(4)
+    prompt = list(rs.randint(0, TINY.vocab_size, 30))
+    targets = rs.randint(0, TINY.vocab_size, (1, 9))
+    res = teacher_forced(model, [prompt], targets)
+    seq = np.concatenate([prompt, targets[0]])
+    ref, _ = model(jnp.asarray(seq)[None], jnp.arange(len(seq))[None])
+    ref = jax.nn.log_softmax(ref[0, len(prompt) - 1 : -1], axis=-1)
+    np.testing.assert_allclose(res.logprobs[0], ref, atol=2e-5)
