@@ -22,7 +22,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from models.checkpoint import load_model
-    from models.registry import resolve_model, smollm2_gguf_path
+    from models.registry import registered_source, resolve_model
     from models.tokenizer import Tokenizer
     from qevict_jax.generate import SamplerConfig, generate
     from qevict_jax.needle import needle_prompt_text, needle_sample
@@ -31,7 +31,9 @@ def main() -> None:
     cfg, model = load_model(path)
     tok = Tokenizer.from_dir(path)
     s = needle_sample(0, args.context_tokens, lambda t: len(tok.encode(t, add_bos=False)))
-    text = tok.apply_chat_template([{"role": "user", "content": needle_prompt_text(s)}], add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": needle_prompt_text(s)}], add_generation_prompt=True
+    )
     ids = tok.encode(text + s.answer_prefix)
     g = args.new_tokens
     sampler = SamplerConfig(max_new_tokens=g)  # no EOS: always decode g tokens
@@ -40,7 +42,7 @@ def main() -> None:
     ours = generate(model, [ids], sampler)
 
     torch.set_num_threads(2)
-    gguf = smollm2_gguf_path()
+    gguf = registered_source("smollm2-135m-instruct")
     hf = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -66,12 +68,20 @@ def main() -> None:
     print("|---|---|---|---|---|")
     ours_total = ours.ttft_s + ours.decode_s
     hf_total = hf_ttft + hf_decode
-    print(f"| qevict-jax Full-KV (jit, f32) | {ours.ttft_s:.3f} | {ours.decode_s:.3f} | "
-          f"{(g - 1) / ours.decode_s:.1f} | {ours_total:.3f} |")
-    print(f"| transformers eager (f32) | {hf_ttft:.3f} | {hf_decode:.3f} | {(g - 1) / hf_decode:.1f} | {hf_total:.3f} |")
-    print(f"TTFT ratio ours/HF: {ours.ttft_s / hf_ttft:.2f}x; decode tok/s ratio ours/HF: "
-          f"{hf_decode / ours.decode_s:.2f}x")
-    print(f"headline: prefill+{g}-token decode time, qevict-jax / transformers eager = {ours_total / hf_total:.2f}x")
+    print(
+        f"| qevict-jax Full-KV (jit, f32) | {ours.ttft_s:.3f} | {ours.decode_s:.3f} | "
+        f"{(g - 1) / ours.decode_s:.1f} | {ours_total:.3f} |"
+    )
+    print(
+        f"| transformers eager (f32) | {hf_ttft:.3f} | {hf_decode:.3f} | {(g - 1) / hf_decode:.1f} | {hf_total:.3f} |"
+    )
+    print(
+        f"TTFT ratio ours/HF: {ours.ttft_s / hf_ttft:.2f}x; decode tok/s ratio ours/HF: "
+        f"{hf_decode / ours.decode_s:.2f}x"
+    )
+    print(
+        f"headline: prefill+{g}-token decode time, qevict-jax / transformers eager = {ours_total / hf_total:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
-def attention_mask(
-    q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None
-) -> jax.Array:
+def attention_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) -> jax.Array:
     """Boolean mask [B, Tq, Tk]: causal, valid keys (pos >= 0), optional sliding window."""
     qp = q_pos[:, :, None]
     kp = k_pos[:, None, :]

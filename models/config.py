@@ -58,7 +58,9 @@ class ModelConfig:
                 f"unknown model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
@@ -127,7 +129,9 @@ class ModelConfig:
         if family in ("llama", "mistral") and hf.get("mlp_bias"):
             raise UnsupportedModelError("option mlp_bias=True is not supported")
         if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"option hidden_act={hf['hidden_act']!r} is not supported (only silu)")
+            raise UnsupportedModelError(
+                f"option hidden_act={hf['hidden_act']!r} is not supported (only silu)"
+            )
         rope_llama3 = None
         rope_params = hf.get("rope_scaling") or hf.get("rope_parameters")
         rope_theta = hf.get("rope_theta")

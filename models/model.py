@@ -197,7 +197,10 @@ def check_param_shapes(cfg: ModelConfig, params: dict[str, Any]) -> None:
     """Raise a ValueError naming every missing, unexpected or mis-shaped parameter."""
     expected = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
     want = {jax.tree_util.keystr(path): shape for path, shape in expected[0]}
-    got = {jax.tree_util.keystr(path): tuple(np.shape(a)) for path, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    got = {
+        jax.tree_util.keystr(path): tuple(np.shape(a))
+        for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
     problems = []
     for name in sorted(want.keys() - got.keys()):
         problems.append(f"missing {name} (expected shape {want[name]})")

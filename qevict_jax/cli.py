@@ -11,14 +11,20 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, converted folder, HF folder or .gguf")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="registered name, converted folder, HF folder or .gguf"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)"
+    )
 
 
 def _add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     if multi:
         p.add_argument("--methods", default="full", help="comma-separated method names")
-        p.add_argument("--budgets", default="0.2", help="comma-separated budgets β (fraction of full-KV bytes)")
+        p.add_argument(
+            "--budgets", default="0.2", help="comma-separated budgets β (fraction of full-KV bytes)"
+        )
     else:
         p.add_argument("--method", default="full", help="KV-cache method (see `qevict methods`)")
         p.add_argument("--budget", type=float, default=0.2, help="budget β: fraction of full-KV bytes")
@@ -35,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qevict", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="convert a HF safetensors folder or a GGUF file to an orbax checkpoint")
+    p = sub.add_parser(
+        "convert", help="convert a HF safetensors folder or a GGUF file to an orbax checkpoint"
+    )
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -50,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampler_args(p, 64)
     p.add_argument("--json", action="store_true", help="print one JSON line")
 
-    p = sub.add_parser("needle", help="seeded needle-in-a-haystack prompts over pydoc prose; accuracy per method")
+    p = sub.add_parser(
+        "needle", help="seeded needle-in-a-haystack prompts over pydoc prose; accuracy per method"
+    )
     _add_model_args(p)
     _add_method_args(p, multi=True)
     p.add_argument("--context-tokens", type=int, default=4000)
@@ -139,7 +149,9 @@ def cmd_needle(args) -> int:
     prompts = []
     for i in range(args.samples):
         s = needle_sample(args.seed + i, args.context_tokens, count)
-        text = tok.apply_chat_template([{"role": "user", "content": needle_prompt_text(s)}], add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": needle_prompt_text(s)}], add_generation_prompt=True
+        )
         prompts.append((s, tok.encode(text + s.answer_prefix)))
     rows = []
     for method in runs:
@@ -153,15 +165,41 @@ def cmd_needle(args) -> int:
             ttft.append(res.ttft_s)
             tps.append(res.decode_tokens_per_s)
             if args.json:
-                print(json.dumps({"method": method.name, "budget": getattr(method, "budget", 1.0), "answer": answer,
-                                  "expected": s.answer, "correct": ok, "prompt_tokens": len(ids),
-                                  "memory_ratio": res.memory_ratio, "ttft_s": res.ttft_s}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "method": method.name,
+                            "budget": getattr(method, "budget", 1.0),
+                            "answer": answer,
+                            "expected": s.answer,
+                            "correct": ok,
+                            "prompt_tokens": len(ids),
+                            "memory_ratio": res.memory_ratio,
+                            "ttft_s": res.ttft_s,
+                        }
+                    ),
+                    flush=True,
+                )
             else:
-                print(f"  {method.name:>14} β={getattr(method, 'budget', 1.0):<5} depth={s.depth:.2f} "
-                      f"prompt={len(ids)} ok={ok} answer={answer.strip()!r} (expected {s.answer})", file=sys.stderr)
-        rows.append((method.name, getattr(method, "budget", 1.0), correct / len(prompts), sum(ratios) / len(ratios),
-                     sum(ttft) / len(ttft), sum(tps) / len(tps), len(prompts[0][1])))
-    print("| method | budget β | needle accuracy | measured memory ratio | TTFT (s) | decode tok/s | prompt tokens |")
+                print(
+                    f"  {method.name:>14} β={getattr(method, 'budget', 1.0):<5} depth={s.depth:.2f} "
+                    f"prompt={len(ids)} ok={ok} answer={answer.strip()!r} (expected {s.answer})",
+                    file=sys.stderr,
+                )
+        rows.append(
+            (
+                method.name,
+                getattr(method, "budget", 1.0),
+                correct / len(prompts),
+                sum(ratios) / len(ratios),
+                sum(ttft) / len(ttft),
+                sum(tps) / len(tps),
+                len(prompts[0][1]),
+            )
+        )
+    print(
+        "| method | budget β | needle accuracy | measured memory ratio | TTFT (s) | decode tok/s | prompt tokens |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, b, acc, ratio, t, s, n in rows:
         print(f"| {name} | {b:g} | {acc:.2f} | {ratio:.3f} | {t:.2f} | {s:.1f} | {n} |")
@@ -188,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"convert": cmd_convert, "generate": cmd_generate, "needle": cmd_needle, "methods": cmd_methods}
     try:
         return handler[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
         print(f"qevict: error: {err}", file=sys.stderr)
         return 2
 

@@ -82,7 +82,9 @@ def sample(logits: jax.Array, rng: jax.Array, sampler: SamplerConfig) -> jax.Arr
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def _prefill_logits(model: Transformer, tokens, lengths, method: KVMethod, max_new_tokens: int, budget_tokens: int):
+def _prefill_logits(
+    model: Transformer, tokens, lengths, method: KVMethod, max_new_tokens: int, budget_tokens: int
+):
     """tokens [B, P] right-padded, lengths [B] -> (logits at each row's last prompt token [B, V], cache)."""
     b, p = tokens.shape
     cache = method.init_cache(model.cfg, lengths, p, max_new_tokens, model.dtype, budget_tokens)
@@ -90,7 +92,9 @@ def _prefill_logits(model: Transformer, tokens, lengths, method: KVMethod, max_n
     return model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
 
 
-def _prefill(graphdef, state, tokens, lengths, rng, method: KVMethod, sampler: SamplerConfig, budget_tokens: int):
+def _prefill(
+    graphdef, state, tokens, lengths, rng, method: KVMethod, sampler: SamplerConfig, budget_tokens: int
+):
     """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache)."""
     TRACE_COUNTS["prefill"] += 1
     model: Transformer = nnx.merge(graphdef, state)
@@ -227,7 +231,9 @@ def generate(
     lengths_j = jnp.asarray(lengths)
 
     t0 = time.perf_counter()
-    first, cache = _prefill_jit(graphdef, state, jnp.asarray(tokens), lengths_j, k_prefill, method, sampler, budget_tokens)
+    first, cache = _prefill_jit(
+        graphdef, state, jnp.asarray(tokens), lengths_j, k_prefill, method, sampler, budget_tokens
+    )
     first.block_until_ready()
     t1 = time.perf_counter()
     out, counts, cache = _decode_jit(graphdef, state, cache, first, lengths_j, k_decode, method, sampler)
@@ -300,7 +306,13 @@ def teacher_forced(
     budget_tokens = _budget_tokens(method, lengths, targets.shape[1], budget_rounding)
     graphdef, state = nnx.split(model)
     logprobs, cache = _teacher_forced_jit(
-        graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(targets), method, budget_tokens
+        graphdef,
+        state,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        jnp.asarray(targets),
+        method,
+        budget_tokens,
     )
     final_tokens = int(lengths.sum()) + len(prompts) * (targets.shape[1] - 1)
     return TeacherForcedResult(

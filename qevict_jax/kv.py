@@ -91,7 +91,9 @@ class FullKV:
         return FullCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=length)
 
     def prefill_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
-        out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk)
+        out, _ = chunked_attention(
+            q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk
+        )
         zeros = jnp.zeros((q.shape[0],), jnp.int32)
         cache = cache.replace(
             k=write_rows(cache.k, k.swapaxes(1, 2), zeros), v=write_rows(cache.v, v.swapaxes(1, 2), zeros)
@@ -104,5 +106,7 @@ class FullKV:
         vbuf = write_rows(cache.v, v.swapaxes(1, 2), pos)
         b, cap = kbuf.shape[0], kbuf.shape[2]
         k_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
-        out, _ = dense_attention(q, kbuf.swapaxes(1, 2), vbuf.swapaxes(1, 2), ctx.positions, k_pos, ctx.cfg.sliding_window)
+        out, _ = dense_attention(
+            q, kbuf.swapaxes(1, 2), vbuf.swapaxes(1, 2), ctx.positions, k_pos, ctx.cfg.sliding_window
+        )
         return out, FullCache(k=kbuf, v=vbuf, length=pos + 1)

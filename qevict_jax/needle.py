@@ -14,10 +14,10 @@ from collections.abc import Callable
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
-_WORDS = (
+_WORDS = tuple(
     "amber basil cobalt dune ember fjord garnet harbor indigo juniper kestrel lagoon maple nectar onyx "
-    "pebble quartz raven saffron thistle umber velvet willow yarrow zephyr"
-).split()
+    "pebble quartz raven saffron thistle umber velvet willow yarrow zephyr".split()
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,11 @@ def test_cached_logits_equal_uncached_logits_every_step(model):
     tokens = np.zeros((1, 64), np.int32)
     tokens[0, :p] = seq[:p]
     logits, cache = model(
-        jnp.asarray(tokens), jnp.arange(64)[None], cache, attend=method.prefill_attend, logit_index=jnp.asarray([p - 1])
+        jnp.asarray(tokens),
+        jnp.arange(64)[None],
+        cache,
+        attend=method.prefill_attend,
+        logit_index=jnp.asarray([p - 1]),
     )
     np.testing.assert_allclose(logits[0], ref[0, p - 1], atol=1e-5)
     for i in range(p, 40):

@@ -1,0 +1,288 @@
+"""Routing of windows between the tiers (DESIGN §6): a pure plan on metadata, then fixed-shape migration.
+
+``plan_routing`` works on one batch row's metadata (window ids and scores of F slots, ledger slots and
+candidate windows) and decides the new tier of every window, which slots newcomers go to, and the new
+metadata; it is cheap and testable on its own. ``route_row`` computes the candidates of a decode routing
+event, runs the plan and moves the data (frees before allocations, ``.at[].set(mode="drop")`` scatters).
+
+Ranking: F ∪ active Q ∪ candidates by score (stable: ties keep the order F slots, ledger slots,
+candidates). Top NF -> F, next NQ -> Q, the rest are evicted. Without promotion, Q windows are not eligible
+for F: F takes the top NF of F ∪ candidates, then Q the top NQ of everything left.
+
+Ledger: an entry is free (win -1), active (in Q) or dormant (a promoted window's first-demotion codes,
+kept so that its next demotion reuses them bit for bit). New entries take free slots first, then reclaim
+dormant slots (older dormant entries first, then those of windows promoted in this event; lowest slot
+index first within each class); active entries are never displaced.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from models.attention import apply_rope
+from qevict_jax.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+
+
+class RoutingPlan(NamedTuple):
+    """The outcome of one routing event for one batch row (NF F slots, NL ledger slots, K candidates).
+
+    fp_win, fp_score: [NF] new F metadata. led_win, led_score: [NL]; led_active: [NL] bool.
+    q2f_target: [NL] F slot receiving ledger slot l's window (promotion), NF = none.
+    c2f_target: [K] F slot receiving candidate j, NF = none.
+    f2q_target: [NF] ledger slot receiving F slot f's window freshly quantized, NL = none (a demotion that
+        reactivates a dormant entry needs no data and has no target).
+    c2q_target: [K] ledger slot receiving candidate j quantized, NL = none.
+    promotions, demotions, evictions: [] int32 counts of Q->F, F->Q and windows evicted.
+    """
+
+    fp_win: jax.Array
+    fp_score: jax.Array
+    led_win: jax.Array
+    led_active: jax.Array
+    led_score: jax.Array
+    q2f_target: jax.Array
+    c2f_target: jax.Array
+    f2q_target: jax.Array
+    c2q_target: jax.Array
+    promotions: jax.Array
+    demotions: jax.Array
+    evictions: jax.Array
+
+
+def _rank(key: jax.Array) -> jax.Array:
+    """Rank [N] of each entry by key [N], descending, ties in index order (0 = best)."""
+    order = jnp.argsort(-key, stable=True)
+    return jnp.zeros(key.shape, jnp.int32).at[order].set(jnp.arange(key.shape[0], dtype=jnp.int32))
+
+
+def assign_slots(free: jax.Array, newcomer: jax.Array, preference: jax.Array | None = None) -> jax.Array:
+    """Targets [M] for newcomers [M] bool among slots [N] where ``free`` [N] bool (N = none).
+
+    The i-th newcomer gets the i-th usable slot, slots ordered by ``preference`` [N] int (lower first, then
+    index; default: free slots in index order). The caller guarantees enough usable slots.
+    """
+    n = free.shape[0]
+    if n == 0:
+        return jnp.zeros(newcomer.shape, jnp.int32)
+    pref = jnp.where(free, 0, 1) if preference is None else preference
+    slots = jnp.argsort(pref, stable=True).astype(jnp.int32)
+    rank = jnp.cumsum(newcomer.astype(jnp.int32)) - 1
+    return jnp.where(newcomer, slots[jnp.clip(rank, 0, n - 1)], n)
+
+
+def plan_routing(
+    fp_win: jax.Array,
+    fp_score: jax.Array,
+    led_win: jax.Array,
+    led_active: jax.Array,
+    led_score: jax.Array,
+    cand_win: jax.Array,
+    cand_score: jax.Array,
+    *,
+    nq: int,
+    promotion: bool,
+) -> RoutingPlan:
+    """Plan one routing event for one row.
+
+    fp_win, fp_score: [NF] (win -1 = empty). led_win, led_score: [NL], led_active: [NL] bool.
+    cand_win, cand_score: [K] (win -1 = no candidate). nq: the most active Q windows (<= NL).
+    """
+    nf, nl, k = fp_win.shape[0], led_win.shape[0], cand_win.shape[0]
+    f_valid = fp_win >= 0
+    q_valid = led_active & (led_win >= 0)
+    c_valid = cand_win >= 0
+    valid = jnp.concatenate([f_valid, q_valid, c_valid])
+    score = jnp.concatenate([fp_score, led_score, cand_score]).astype(jnp.float32)
+    is_q = jnp.concatenate([jnp.zeros(nf, bool), jnp.ones(nl, bool), jnp.zeros(k, bool)])
+    f_eligible = valid if promotion else valid & ~is_q
+    in_f = f_eligible & (_rank(jnp.where(f_eligible, score, -jnp.inf)) < nf)
+    q_eligible = valid & ~in_f
+    in_q = q_eligible & (_rank(jnp.where(q_eligible, score, -jnp.inf)) < nq)
+    gone = valid & ~in_f & ~in_q
+    f_in_f, q_in_f, c_in_f = jnp.split(in_f, [nf, nf + nl])
+    f_in_q, q_in_q, c_in_q = jnp.split(in_q, [nf, nf + nl])
+    f_gone, q_gone, _ = jnp.split(gone, [nf, nf + nl])
+    q_score = led_score.astype(jnp.float32)
+
+    # F slots: frees first (F -> Q, F -> E), then promotions and candidates take the free slots
+    f_free = ~f_valid | f_in_q | f_gone
+    f_new = jnp.concatenate([q_in_f, c_in_f])
+    f_target = assign_slots(f_free, f_new)
+    q2f_target, c2f_target = jnp.split(f_target, [nl])
+    new_fp_win = jnp.where(f_in_f, fp_win, -1)
+    new_fp_win = new_fp_win.at[f_target].set(jnp.concatenate([led_win, cand_win]), mode="drop")
+    new_fp_score = jnp.where(f_in_f, fp_score, 0.0)
+    new_fp_score = new_fp_score.at[f_target].set(jnp.concatenate([q_score, cand_score]), mode="drop")
+
+    # ledger: each F window's dormant entry, if it has one
+    dormant = (led_win >= 0) & ~led_active
+    match = (fp_win[:, None] == led_win[None, :]) & f_valid[:, None] & dormant[None, :]  # [NF, NL]
+    has_dormant = match.any(axis=1)
+    reactivate = (match & (f_in_q & has_dormant)[:, None]).any(axis=0)  # [NL]
+    drop_dormant = (match & f_gone[:, None]).any(axis=0)
+    freed = (q_valid & q_gone) | drop_dormant | (led_win < 0)
+    keep_active = q_valid & q_in_q
+    reclaimable = dormant & ~drop_dormant & ~reactivate
+    promoted = q_valid & q_in_f  # dormant from now on, reclaimed after older dormant entries
+    pref = jnp.where(freed, 0, jnp.where(reclaimable, 1, jnp.where(promoted, 2, 3)))
+    q_new = jnp.concatenate([f_in_q & ~has_dormant, c_in_q])
+    q_target = assign_slots(freed | reclaimable | promoted, q_new, pref)
+    f2q_target, c2q_target = jnp.split(q_target, [nf])
+
+    react_score = jnp.sum(jnp.where(match & f_in_q[:, None], fp_score[:, None], 0.0), axis=0)
+    new_led_win = jnp.where(freed, -1, led_win)
+    new_led_win = new_led_win.at[q_target].set(jnp.concatenate([fp_win, cand_win]), mode="drop")
+    new_led_active = keep_active | reactivate
+    new_led_active = new_led_active.at[q_target].set(True, mode="drop")
+    new_led_score = jnp.where(reactivate, react_score, jnp.where(keep_active, q_score, 0.0))
+    new_led_score = new_led_score.at[q_target].set(jnp.concatenate([fp_score, cand_score]), mode="drop")
+
+    count = lambda x: jnp.sum(x, dtype=jnp.int32)
+    return RoutingPlan(
+        fp_win=new_fp_win,
+        fp_score=new_fp_score,
+        led_win=new_led_win,
+        led_active=new_led_active,
+        led_score=new_led_score,
+        q2f_target=q2f_target,
+        c2f_target=c2f_target,
+        f2q_target=f2q_target,
+        c2q_target=c2q_target,
+        promotions=count(q_valid & q_in_f),
+        demotions=count(f_valid & f_in_q),
+        evictions=count(gone),
+    )
+
+
+def rotate_windows(x: jax.Array, starts: jax.Array, inv_freq: jax.Array, sign: int) -> jax.Array:
+    """RoPE-rotate windows x [Hkv, N, W, D] whose first tokens sit at ``starts`` [N], in float32.
+
+    sign=+1 rotates (pre-RoPE -> post-RoPE), sign=-1 un-rotates. Returns [Hkv, N, W, D] float32.
+    """
+    hkv, n, w, d = x.shape
+    pos = starts[:, None] + jnp.arange(w, dtype=jnp.int32)  # [N, W]
+    tok = x.astype(jnp.float32).transpose(1, 2, 0, 3).reshape(n * w, hkv, d)
+    out = apply_rope(tok, sign * pos.reshape(n * w), inv_freq)
+    return out.reshape(n, w, hkv, d).transpose(2, 0, 1, 3)
+
+
+def quantize_windows(
+    k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array, bits: int
+) -> tuple[jax.Array, ...]:
+    """Ledger entries of windows k, v [Hkv, N, W, D] (keys post-RoPE, first positions ``starts`` [N]).
+
+    Returns (kc [Hkv, N, D, W*bits/8], ks, kz [Hkv, N, D], vc [Hkv, N, W, D*bits/8], vs, vz [Hkv, N, W]).
+    """
+    k_pre = rotate_windows(k, starts, inv_freq, -1)
+    return (*quantize_keys(k_pre, bits), *quantize_values(v, bits))
+
+
+def dequantize_windows(
+    kc: jax.Array,
+    ks: jax.Array,
+    kz: jax.Array,
+    vc: jax.Array,
+    vs: jax.Array,
+    vz: jax.Array,
+    starts: jax.Array,
+    inv_freq: jax.Array,
+    bits: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Inverse of ``quantize_windows``: (post-RoPE keys, values), each [Hkv, N, W, D] float32."""
+    k = rotate_windows(dequantize_keys(kc, ks, kz, bits), starts, inv_freq, +1)
+    return k, dequantize_values(vc, vs, vz, bits)
+
+
+LEDGER_FIELDS = ("led_kc", "led_ks", "led_kz", "led_vc", "led_vs", "led_vz")
+
+
+def apply_plan(
+    row: Any,
+    plan: RoutingPlan,
+    cand_k: jax.Array,
+    cand_v: jax.Array,
+    cand_win: jax.Array,
+    inv_freq: jax.Array,
+) -> Any:
+    """Move the data of one row as ``plan`` says; returns the row with new F, ledger and metadata.
+
+    row: one batch row of a ``TieredCache`` (fields without the [B] axis). cand_k, cand_v: [Hkv, K, W, D]
+    candidate windows (post-RoPE keys), cand_win [K].
+    """
+    caps = row.caps
+    s, w, bits = caps.sink, caps.window, caps.bits
+    nf, nl = row.fp_win.shape[0], row.led_win.shape[0]
+    fp_k, fp_v = row.fp_k, row.fp_v
+    ledger = {name: getattr(row, name) for name in LEDGER_FIELDS}
+    if nl and nf:
+        # sources are computed from the old state before anything is overwritten
+        fk, fv = row.fp_k, row.fp_v
+        f_entries = quantize_windows(fk, fv, s + row.fp_win * w, inv_freq, bits)
+        lk, lv = dequantize_windows(*(ledger[n] for n in LEDGER_FIELDS), s + row.led_win * w, inv_freq, bits)
+        fp_k = fp_k.at[:, plan.q2f_target].set(lk.astype(fp_k.dtype), mode="drop")
+        fp_v = fp_v.at[:, plan.q2f_target].set(lv.astype(fp_v.dtype), mode="drop")
+        for name, x in zip(LEDGER_FIELDS, f_entries, strict=True):
+            ledger[name] = ledger[name].at[:, plan.f2q_target].set(x, mode="drop")
+    if nf:
+        fp_k = fp_k.at[:, plan.c2f_target].set(cand_k.astype(fp_k.dtype), mode="drop")
+        fp_v = fp_v.at[:, plan.c2f_target].set(cand_v.astype(fp_v.dtype), mode="drop")
+    if nl:
+        c_entries = quantize_windows(cand_k, cand_v, s + cand_win * w, inv_freq, bits)
+        for name, x in zip(LEDGER_FIELDS, c_entries, strict=True):
+            ledger[name] = ledger[name].at[:, plan.c2q_target].set(x, mode="drop")
+    return row.replace(
+        fp_k=fp_k,
+        fp_v=fp_v,
+        fp_win=plan.fp_win,
+        fp_score=plan.fp_score.astype(row.fp_score.dtype),
+        led_win=plan.led_win,
+        led_active=plan.led_active,
+        led_score=plan.led_score.astype(row.led_score.dtype),
+        promotions=row.promotions + plan.promotions,
+        demotions=row.demotions + plan.demotions,
+        evictions=row.evictions + plan.evictions,
+        **ledger,
+    )
+
+
+def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
+    """Windows that left the recent region of one row: (cand_win [K] (-1 = none), ring window slot [K]).
+
+    Window w is a candidate once it ends at least R tokens before the current length n
+    (``S + (w + 1) W <= n - R``) and has not been routed yet (``w >= next_win``).
+    """
+    caps = row.caps
+    k = caps.max_candidates
+    first = row.next_win
+    last = jnp.maximum(first, jnp.floor_divide(row.length - caps.sink - caps.recent, caps.window))
+    wins = first + jnp.arange(k, dtype=jnp.int32)
+    cand = jnp.where(wins < last, wins, -1)
+    return cand, wins % caps.ring_windows
+
+
+def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
+    """One decode routing event for one batch row of a ``TieredCache`` (fields without the [B] axis)."""
+    caps = row.caps
+    cand_win, ring_slot = ring_candidates(row)
+    hkv, _, d = row.local_k.shape
+    ring = row.local_k.reshape(hkv, caps.ring_windows, caps.window, d)
+    cand_k = ring[:, ring_slot]  # [Hkv, K, W, D]
+    cand_v = row.local_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
+    cand_score = ranking.candidate_score(row.loc_score[ring_slot], cand_k.swapaxes(0, 1))
+    plan = plan_routing(
+        row.fp_win,
+        row.fp_score,
+        row.led_win,
+        row.led_active,
+        row.led_score,
+        cand_win,
+        cand_score.astype(jnp.float32),
+        nq=caps.nq,
+        promotion=promotion,
+    )
+    row = apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq)
+    new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
+    return row.replace(next_win=new_next, routing_events=row.routing_events + 1)

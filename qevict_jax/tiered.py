@@ -1,0 +1,372 @@
+"""The tiered QEvict cache: pytree, prefill compression and decode attention (DESIGN §4-§6).
+
+Per layer and batch row the cache holds sink tokens, a local ring (recent region + the window being
+filled + the windows that left the recent region since the last routing event), the F tier (full-precision
+windows, post-RoPE) and the ledger (INT2/INT4 windows, keys pre-RoPE; active = Q tier, dormant = codes kept
+for a promoted window). Window w covers absolute positions ``[S + wW, S + (w+1)W)``; positions are never
+renumbered.
+
+Deviation from DESIGN §4: scores are kept per slot (``fp_score`` [B, NF], ``led_score`` [B, NL], ``loc_score``
+[B, RING/W]) and move with their window, instead of one ``score [B, NWmax]`` array indexed by window id.
+Evicted windows never come back, so nothing is lost, and the cache size no longer grows with the maximum
+sequence length: at a fixed byte budget NF and NQ are the same for any length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.attention import NEG_INF, chunked_attention
+from models.config import ModelConfig
+from models.model import LayerContext
+from pallas_kernels.reference import combine_partials, ledger_attention_reference
+from qevict_jax.config import Capacities
+from qevict_jax.routing import LEDGER_FIELDS, plan_routing, quantize_windows, route_row
+from qevict_jax.scoring import Ranking, prompt_windows
+
+
+@struct.dataclass
+class TieredCache:
+    """One layer's tiered cache (stacked caches carry a leading [L] axis on every array field).
+
+    S = sink, RING = ring slots, RW = RING / W, NF = F slots, NL = ledger slots, Wb = W*bits/8, Db = D*bits/8.
+    """
+
+    sink_k: jax.Array  # [B, Hkv, S, D] model dtype, post-RoPE, slot = position
+    sink_v: jax.Array  # [B, Hkv, S, D]
+    local_k: jax.Array  # [B, Hkv, RING, D] post-RoPE; position p >= S lives in slot (p - S) % RING
+    local_v: jax.Array  # [B, Hkv, RING, D]
+    loc_score: jax.Array  # [B, RW] f32 score of the window in each ring window slot (window w -> w % RW)
+    fp_k: jax.Array  # [B, Hkv, NF, W, D] F tier, post-RoPE
+    fp_v: jax.Array  # [B, Hkv, NF, W, D]
+    fp_win: jax.Array  # [B, NF] int32 window id in each F slot, -1 = empty
+    fp_score: jax.Array  # [B, NF] f32
+    led_kc: jax.Array  # [B, Hkv, NL, D, Wb] uint8 key codes, pre-RoPE, per-channel grid over the window
+    led_ks: jax.Array  # [B, Hkv, NL, D] f16 key scale
+    led_kz: jax.Array  # [B, Hkv, NL, D] f16 key min
+    led_vc: jax.Array  # [B, Hkv, NL, W, Db] uint8 value codes, per-token grid over head_dim
+    led_vs: jax.Array  # [B, Hkv, NL, W] f16 value scale
+    led_vz: jax.Array  # [B, Hkv, NL, W] f16 value min
+    led_win: jax.Array  # [B, NL] int32 window id, -1 = free
+    led_active: jax.Array  # [B, NL] bool: True = in Q, False (with win >= 0) = dormant copy of an F window
+    led_score: jax.Array  # [B, NL] f32 (meaningful for active entries)
+    length: jax.Array  # [B] int32 tokens seen
+    next_win: jax.Array  # [B] int32 first window id still in the ring (lower ids have been routed)
+    steps: jax.Array  # [B] int32 decode steps since prefill
+    routing_events: jax.Array  # [B] int32 decode routing events
+    promotions: jax.Array  # [B] int32 Q -> F transitions
+    demotions: jax.Array  # [B] int32 F -> Q transitions
+    evictions: jax.Array  # [B] int32 windows evicted (prefill included)
+    caps: Capacities = struct.field(pytree_node=False)
+
+
+def init_cache(
+    caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any, lengths: jax.Array | None = None
+) -> TieredCache:
+    """An empty stacked cache: every array field has a leading [L] axis. lengths: [B] tokens seen."""
+    L, hkv, d = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
+    b, w, nf, nl = batch, caps.window, caps.nf, caps.nl
+    per = 8 // caps.bits
+
+    def z(shape, dt):
+        return jnp.zeros((L, b, *shape), dt)
+
+    if lengths is None:
+        lengths = jnp.zeros((b,), jnp.int32)
+    counter = z((), jnp.int32)
+    return TieredCache(
+        sink_k=z((hkv, caps.sink, d), dtype),
+        sink_v=z((hkv, caps.sink, d), dtype),
+        local_k=z((hkv, caps.ring, d), dtype),
+        local_v=z((hkv, caps.ring, d), dtype),
+        loc_score=z((caps.ring_windows,), jnp.float32),
+        fp_k=z((hkv, nf, w, d), dtype),
+        fp_v=z((hkv, nf, w, d), dtype),
+        fp_win=jnp.full((L, b, nf), -1, jnp.int32),
+        fp_score=z((nf,), jnp.float32),
+        led_kc=z((hkv, nl, d, w // per), jnp.uint8),
+        led_ks=z((hkv, nl, d), jnp.float16),
+        led_kz=z((hkv, nl, d), jnp.float16),
+        led_vc=z((hkv, nl, w, d // per), jnp.uint8),
+        led_vs=z((hkv, nl, w), jnp.float16),
+        led_vz=z((hkv, nl, w), jnp.float16),
+        led_win=jnp.full((L, b, nl), -1, jnp.int32),
+        led_active=z((nl,), bool),
+        led_score=z((nl,), jnp.float32),
+        length=jnp.broadcast_to(lengths.astype(jnp.int32), (L, b)),
+        next_win=counter,
+        steps=counter,
+        routing_events=counter,
+        promotions=counter,
+        demotions=counter,
+        evictions=counter,
+        caps=caps,
+    )
+
+
+def abstract_cache(caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any) -> TieredCache:
+    """Shapes and dtypes of the stacked cache, without allocating (``jax.eval_shape``)."""
+    return jax.eval_shape(lambda: init_cache(caps, model_cfg, batch, dtype))
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def ring_positions(length: jax.Array, caps: Capacities) -> jax.Array:
+    """Absolute position held by each ring slot: [B] lengths -> [B, RING] (the newest position <= n - 1
+    congruent to the slot; may be < S, i.e. never written)."""
+    j = jnp.arange(caps.ring, dtype=jnp.int32)
+    n1 = length[:, None] - 1
+    return n1 - jnp.mod(n1 - caps.sink - j, caps.ring)
+
+
+def ring_valid(length: jax.Array, next_win: jax.Array, caps: Capacities) -> jax.Array:
+    """[B, RING] bool: slot holds a token of a window not routed yet."""
+    pos = ring_positions(length, caps)
+    return (pos >= caps.sink) & (pos >= caps.sink + next_win[:, None] * caps.window)
+
+
+def dense_partial(
+    q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Attention partial of q [B, Hkv, G, D] over k, v [B, Hkv, N, D] with valid [B, N] (or [B, Hkv, G, N]).
+
+    Returns (out [B, Hkv, G, D], m [B, Hkv, G], l [B, Hkv, G], per-key exp sums [B, Hkv, G, N]), all f32.
+    """
+    b, hkv, g, d = q.shape
+    n = k.shape[2]
+    if n == 0:
+        zeros = jnp.zeros((b, hkv, g), jnp.float32)
+        return jnp.zeros((b, hkv, g, d), jnp.float32), zeros + NEG_INF, zeros, jnp.zeros((b, hkv, g, 0))
+    mask = valid[:, None, None, :] if valid.ndim == 2 else valid
+    s = jnp.einsum("bkgd,bknd->bkgn", q.astype(jnp.float32) * d**-0.5, k.astype(jnp.float32))
+    s = jnp.where(mask, s, NEG_INF)
+    m = s.max(-1)
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    return jnp.einsum("bkgn,bknd->bkgd", p, v.astype(jnp.float32)), m, p.sum(-1), p
+
+
+def _window_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """[B, N] keys within the sliding window of the query at q_pos [B] (all True without one)."""
+    if sliding_window is None:
+        return jnp.ones(k_pos.shape, bool)
+    return q_pos[:, None] - k_pos < sliding_window
+
+
+def _write_slot(buf: jax.Array, x: jax.Array, slot: jax.Array, enabled: jax.Array) -> jax.Array:
+    """buf [B, Hkv, N, D] with x [B, Hkv, D] written at slot [B] where enabled [B]."""
+    hit = (jnp.arange(buf.shape[2])[None, :] == slot[:, None]) & enabled[:, None]
+    return jnp.where(hit[:, None, :, None], x[:, :, None, :].astype(buf.dtype), buf)
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+
+def prefill_layer(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: TieredCache,
+    ctx: LayerContext,
+    ranking: Ranking,
+    promotion: bool,
+    chunk: int,
+) -> tuple[jax.Array, TieredCache]:
+    """Prompt attention for one layer and routing of the prompt's KV into the tiers (DESIGN §5).
+
+    q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows right-padded (row b: positions < cache.length[b]).
+    Returns (out [B, T, H, D], cache). Windows ending at least R tokens before the prompt end are ranked:
+    top NF -> F, next NQ -> Q, rest evicted; the tail stays in the ring.
+    """
+    caps = cache.caps
+    s, w = caps.sink, caps.window
+    b, t = q.shape[:2]
+    lengths = cache.length
+    positions = ctx.positions
+    valid = positions < lengths[:, None]
+    k_pos = jnp.where(valid, positions, -1)
+    out, mass = chunked_attention(q, k, v, positions, k_pos, ctx.cfg.sliding_window, chunk, q_valid=valid)
+    nwp = max(0, -(-(t - s) // w))
+    scores = ranking.prefill_window_scores(
+        q, k, positions, lengths, mass, s, w, nwp, ctx.cfg.sliding_window, chunk
+    )  # [B, NWP]
+
+    routed = jnp.maximum(0, jnp.floor_divide(lengths - s - caps.recent, w))  # [B] windows leaving the prompt
+    win_ids = jnp.arange(nwp, dtype=jnp.int32)
+    cand_win = jnp.where(win_ids[None] < routed[:, None], win_ids[None], -1)  # [B, NWP]
+    kw = prompt_windows(k, s, w, nwp).transpose(0, 3, 1, 2, 4)  # [B, Hkv, NWP, W, D]
+    vw = prompt_windows(v, s, w, nwp).transpose(0, 3, 1, 2, 4)
+
+    def place(row, c_win, c_score, c_k, c_v):
+        plan = plan_routing(
+            row.fp_win,
+            row.fp_score,
+            row.led_win,
+            row.led_active,
+            row.led_score,
+            c_win,
+            c_score,
+            nq=caps.nq,
+            promotion=promotion,
+        )
+        fp_k = row.fp_k.at[:, plan.c2f_target].set(c_k.astype(row.fp_k.dtype), mode="drop")
+        fp_v = row.fp_v.at[:, plan.c2f_target].set(c_v.astype(row.fp_v.dtype), mode="drop")
+        ledger = {}
+        if caps.nl:
+            entries = quantize_windows(c_k, c_v, s + c_win * w, ctx.inv_freq, caps.bits)
+            for name, x in zip(LEDGER_FIELDS, entries, strict=True):
+                ledger[name] = getattr(row, name).at[:, plan.c2q_target].set(x, mode="drop")
+        return row.replace(
+            fp_k=fp_k,
+            fp_v=fp_v,
+            fp_win=plan.fp_win,
+            fp_score=plan.fp_score,
+            led_win=plan.led_win,
+            led_active=plan.led_active,
+            led_score=plan.led_score,
+            evictions=row.evictions + plan.evictions,
+            **ledger,
+        )
+
+    cache = jax.vmap(place)(cache, cand_win, scores, kw, vw)
+
+    # sinks and the ring tail
+    sink_pos = jnp.arange(s, dtype=jnp.int32)
+    kt = k.swapaxes(1, 2)  # [B, Hkv, T, D]
+    vt = v.swapaxes(1, 2)
+    take = lambda x, idx: jnp.take_along_axis(x, jnp.clip(idx, 0, t - 1)[:, None, :, None], axis=2)
+    sink_ok = (sink_pos[None] < lengths[:, None])[:, None, :, None]
+    sink_idx = jnp.broadcast_to(sink_pos, (b, s))
+    ring_pos = ring_positions(lengths, caps)
+    ring_ok = ring_valid(lengths, routed, caps)[:, None, :, None]
+    rw = caps.ring_windows
+    slot_ids = jnp.arange(rw, dtype=jnp.int32)
+    slot_win = routed[:, None] + jnp.mod(slot_ids[None] - routed[:, None], rw)  # [B, RW]
+    loc_score = jnp.take_along_axis(jnp.pad(scores, ((0, 0), (0, 1))), jnp.clip(slot_win, 0, nwp), axis=1)
+    loc_score = jnp.where(s + slot_win * w < lengths[:, None], loc_score, 0.0)
+    cache = cache.replace(
+        sink_k=jnp.where(sink_ok, take(kt, sink_idx), 0).astype(cache.sink_k.dtype),
+        sink_v=jnp.where(sink_ok, take(vt, sink_idx), 0).astype(cache.sink_v.dtype),
+        local_k=jnp.where(ring_ok, take(kt, ring_pos), 0).astype(cache.local_k.dtype),
+        local_v=jnp.where(ring_ok, take(vt, ring_pos), 0).astype(cache.local_v.dtype),
+        loc_score=loc_score.astype(jnp.float32),
+        next_win=routed.astype(jnp.int32),
+    )
+    return out, cache
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+class TierAttention(struct.PyTreeNode):
+    """Decode attention of one layer, split by tier.
+
+    out: [B, Hkv, G, D] f32 normalized output. Attention probabilities per query head:
+    sink [B, Hkv, G, S], fp [B, Hkv, G, NF, W], led [B, Hkv, G, NL] (per slot), local [B, Hkv, G, RING].
+    """
+
+    out: jax.Array
+    sink: jax.Array
+    fp: jax.Array
+    led: jax.Array
+    local: jax.Array
+
+
+def tier_attention(
+    q: jax.Array, cache: TieredCache, q_pos: jax.Array, inv_freq: jax.Array, sliding_window
+) -> TierAttention:
+    """Attention of one decode query per head q [B, Hkv, G, D] (post-RoPE, at q_pos [B]) over all tiers.
+
+    The cache must already hold the current token (in the sink or the ring) and ``length = q_pos + 1``.
+    """
+    caps = cache.caps
+    s, w = caps.sink, caps.window
+    b, hkv, g, d = q.shape
+    nf, nl = caps.nf, caps.nl
+    sink_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    sink_ok = (sink_pos <= q_pos[:, None]) & _window_mask(q_pos, sink_pos, sliding_window)
+    p_sink = dense_partial(q, cache.sink_k, cache.sink_v, sink_ok)
+
+    fp_pos = (s + cache.fp_win[:, :, None] * w + jnp.arange(w, dtype=jnp.int32)).reshape(b, nf * w)
+    fp_ok = jnp.repeat(cache.fp_win >= 0, w, axis=1) & _window_mask(q_pos, fp_pos, sliding_window)
+    p_fp = dense_partial(
+        q, cache.fp_k.reshape(b, hkv, nf * w, d), cache.fp_v.reshape(b, hkv, nf * w, d), fp_ok
+    )
+
+    if nl:
+        start = s + cache.led_win * w
+        # a Q window takes part while its last token is inside the sliding window (slot granularity)
+        led_ok = cache.led_active & _window_mask(q_pos, start + w - 1, sliding_window)
+        p_led = ledger_attention_reference(
+            q, *(getattr(cache, n) for n in LEDGER_FIELDS), start, led_ok, inv_freq, window=w, bits=caps.bits
+        )
+    else:
+        zeros = jnp.zeros((b, hkv, g), jnp.float32)
+        p_led = (jnp.zeros((b, hkv, g, d)), zeros + NEG_INF, zeros, jnp.zeros((b, hkv, g, 0)))
+
+    loc_pos = ring_positions(cache.length, caps)
+    loc_ok = ring_valid(cache.length, cache.next_win, caps) & _window_mask(q_pos, loc_pos, sliding_window)
+    p_loc = dense_partial(q, cache.local_k, cache.local_v, loc_ok)
+
+    parts = (p_sink, p_fp, p_led, p_loc)
+    out, weights = combine_partials([p[:3] for p in parts])
+    probs = [p[3] * wt[..., None] for p, wt in zip(parts, weights, strict=True)]
+    return TierAttention(
+        out=out, sink=probs[0], fp=probs[1].reshape(b, hkv, g, nf, w), led=probs[2], local=probs[3]
+    )
+
+
+def decode_layer(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: TieredCache,
+    ctx: LayerContext,
+    ranking: Ranking,
+    promotion: bool,
+) -> tuple[jax.Array, TieredCache]:
+    """One decode step of one layer: q [B, 1, H, D], k, v [B, 1, Hkv, D] post-RoPE -> (out [B, 1, H, D],
+    cache).
+
+    Writes the token into the sink or the ring, attends over all tiers, adds the head-mean window masses
+    to the scores, and every Ω steps routes (``lax.cond``).
+    """
+    caps = cache.caps
+    s, w = caps.sink, caps.window
+    b, _, h, d = q.shape
+    hkv = k.shape[2]
+    pos = ctx.positions[:, 0]
+    kx, vx = k[:, 0], v[:, 0]  # [B, Hkv, D]
+    in_sink = pos < s
+    ring_slot = jnp.mod(pos - s, caps.ring)
+    rw_slot = jnp.mod(jnp.floor_divide(pos - s, w), caps.ring_windows)
+    starts_window = ~in_sink & (jnp.mod(pos - s, w) == 0)
+    fresh = (jnp.arange(caps.ring_windows)[None] == rw_slot[:, None]) & starts_window[:, None]
+    cache = cache.replace(
+        sink_k=_write_slot(cache.sink_k, kx, pos, in_sink),
+        sink_v=_write_slot(cache.sink_v, vx, pos, in_sink),
+        local_k=_write_slot(cache.local_k, kx, ring_slot, ~in_sink),
+        local_v=_write_slot(cache.local_v, vx, ring_slot, ~in_sink),
+        loc_score=jnp.where(fresh, 0.0, cache.loc_score),
+        length=pos + 1,
+    )
+    qg = q[:, 0].reshape(b, hkv, h // hkv, d)
+    att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window)
+    fp_mass = att.fp.mean(axis=(1, 2)).sum(-1)  # [B, NF]
+    led_mass = att.led.mean(axis=(1, 2))  # [B, NL]
+    loc_mass = att.local.mean(axis=(1, 2)).reshape(b, caps.ring_windows, w).sum(-1)  # [B, RW]
+    cache = cache.replace(
+        fp_score=ranking.update(cache.fp_score, fp_mass),
+        led_score=ranking.update(cache.led_score, led_mass),
+        loc_score=ranking.update(cache.loc_score, loc_mass),
+        steps=cache.steps + 1,
+    )
+    due = jnp.mod(cache.steps[0], caps.omega) == 0
+    route = jax.vmap(lambda row: route_row(row, ctx.inv_freq, ranking, promotion))
+    cache = jax.lax.cond(due, route, lambda c: c, cache)
+    out = att.out.reshape(b, 1, h, d).astype(q.dtype)
+    return out, cache

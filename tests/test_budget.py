@@ -1,0 +1,122 @@
+"""The byte budget: the real cache fits, the solver is stable in the length, errors are clear."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from models.config import ModelConfig
+from qevict_jax.config import CacheConfig, solve_capacities
+from qevict_jax.kv import cache_nbytes, full_kv_bytes
+from qevict_jax.methods import available_methods, make_method
+
+MODEL = ModelConfig(
+    family="llama",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+
+GRID = list(
+    itertools.product(
+        [0.25, 0.5, 1.0],  # beta
+        [(1000, 64), (3000, 200)],  # (prompt length, new tokens)
+        [(4, 2), (8, 2), (8, 4), (32, 2)],  # (window, bits)
+        [(1, jnp.float32), (3, jnp.bfloat16)],  # (batch, model dtype)
+    )
+)
+
+
+@pytest.mark.parametrize(("beta", "lengths", "wb", "batch_dtype"), GRID)
+def test_real_cache_fits_the_budget(beta, lengths, wb, batch_dtype):
+    batch, dtype = batch_dtype
+    prompt, new = lengths
+    window, bits = wb
+    method = make_method("qevict", budget=beta, window=window, bits=bits, recent=64)
+    budget_tokens = prompt + new
+    cache = method.init_cache(MODEL, jnp.full((batch,), prompt, jnp.int32), prompt, new, dtype, budget_tokens)
+    budget = beta * full_kv_bytes(MODEL, budget_tokens, dtype, batch)
+    assert cache_nbytes(cache) <= budget
+    caps = cache.caps
+    assert caps.nf + caps.nq > 0 and caps.nq <= caps.nl
+    assert cache.fp_k.shape[3] == caps.nf and cache.led_kc.shape[3] == caps.nl
+    if max(caps.nf, caps.nq) < caps.nw_max:  # the budget binds (no cap by the window count): little is unused
+        per_slot = (
+            2 * MODEL.num_layers * MODEL.num_kv_heads * window * MODEL.head_dim * jnp.dtype(dtype).itemsize
+        )
+        assert budget - cache_nbytes(cache) < 2 * per_slot * batch
+
+
+@pytest.mark.parametrize("name", [n for n in available_methods() if n != "full"])
+def test_every_variant_fits(name):
+    method = make_method(name, budget=0.3)
+    cache = method.init_cache(MODEL, jnp.full((2,), 2000, jnp.int32), 2048, 256, jnp.bfloat16, 2256)
+    assert cache_nbytes(cache) <= 0.3 * full_kv_bytes(MODEL, 2256, jnp.bfloat16, 2)
+
+
+@pytest.mark.parametrize(("window", "q_frac", "bits"), [(8, 0.7, 2), (32, 0.5, 4), (8, 0.0, 2), (8, 1.0, 2)])
+def test_doubling_length_at_fixed_bytes_keeps_f_and_q(window, q_frac, bits):
+    cfg = CacheConfig(window=window, q_frac=q_frac, bits=bits, recent=64, budget_bytes=250_000)
+    small = solve_capacities(cfg, MODEL, 2, 4000, jnp.float16)
+    big = solve_capacities(cfg, MODEL, 2, 8000, jnp.float16)
+    assert (small.nf, small.nq, small.nl) == (big.nf, big.nq, big.nl)
+    assert small.nf + small.nq > 0
+    method = make_method("qevict", window=window, q_frac=q_frac, bits=bits, recent=64, budget_bytes=250_000)
+    lengths = jnp.full((2,), 3000, jnp.int32)
+    c1 = method.init_cache(MODEL, lengths, 3072, 1000, jnp.float16, 4000)
+    c2 = method.init_cache(MODEL, lengths, 7168, 1000, jnp.float16, 8000)
+    for name in ("fp_k", "fp_v", "led_kc", "led_vc", "led_win"):
+        assert getattr(c1, name).shape == getattr(c2, name).shape
+    assert cache_nbytes(c1) == cache_nbytes(c2) <= 2 * 250_000
+
+
+def test_q_frac_splits_the_historical_bytes():
+    base = solve_capacities(CacheConfig(q_frac=0.0, recent=64), MODEL, 1, 8000, jnp.float16)
+    split = solve_capacities(CacheConfig(q_frac=0.7, recent=64), MODEL, 1, 8000, jnp.float16)
+    assert base.nl == 0 and split.nl > 0
+    # F got ~30% of the bytes that bought base.nf slots; INT2 windows are > 5x cheaper, so Q holds more
+    assert abs(split.nf - 0.3 * base.nf) <= 1
+    assert split.nl > 3 * 0.7 * base.nf
+
+
+def test_too_small_budget_names_the_minimum_beta():
+    cfg = CacheConfig(budget=0.01, recent=64)
+    with pytest.raises(ValueError, match=r"beta >= ") as err:
+        solve_capacities(cfg, MODEL, 2, 1000, jnp.float32)
+    min_beta = float(re.search(r"beta >= ([0-9.]+)", str(err.value)).group(1))
+    assert 0.01 < min_beta < 1
+    caps = solve_capacities(dataclasses.replace(cfg, budget=min_beta), MODEL, 2, 1000, jnp.float32)
+    assert caps.nf + caps.nq >= 1
+    with pytest.raises(ValueError, match=r"beta >= "):
+        solve_capacities(dataclasses.replace(cfg, budget=min_beta - 2e-4), MODEL, 2, 1000, jnp.float32)
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="multiple of 4 for INT2"):
+        CacheConfig(window=6)
+    with pytest.raises(ValueError, match="multiple of 2 for INT4"):
+        CacheConfig(window=5, bits=4)
+    CacheConfig(window=6, q_frac=0.0, recent=60)  # no Q tier: any window
+    with pytest.raises(ValueError, match="multiple of the window"):
+        CacheConfig(window=8, recent=12)
+    with pytest.raises(ValueError, match="bits must be 2 or 4"):
+        CacheConfig(bits=3)
+    with pytest.raises(ValueError, match="unknown ranking"):
+        CacheConfig(ranking="random")
+    with pytest.raises(ValueError, match="unknown method"):
+        make_method("nope")
+    with pytest.raises(ValueError, match="unknown cache option"):
+        make_method("qevict", windw=8)
+
+
+def test_recent_as_fraction_of_the_budget():
+    caps = solve_capacities(CacheConfig(recent=0.25, budget=0.2), MODEL, 1, 4000, jnp.float16)
+    assert caps.recent == int(0.25 * 0.2 * 4000) // 8 * 8 and caps.recent % 8 == 0

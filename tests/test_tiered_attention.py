@@ -1,0 +1,248 @@
+"""Tiered decode attention: exactness against Full-KV, against a float64 numpy KIVI reference, the ledger
+reference partial, and tier masses."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_quant import np_pack, np_quantize
+
+from models.config import ModelConfig
+from models.model import LayerContext, Transformer
+from pallas_kernels.reference import ledger_attention_reference
+from qevict_jax.config import Capacities, ring_capacity
+from qevict_jax.kv import FullKV
+from qevict_jax.methods import cache_stats, make_method
+from qevict_jax.scoring import Ranking
+from qevict_jax.tiered import decode_layer, init_cache, prefill_layer, tier_attention
+
+MODEL = ModelConfig(
+    family="llama",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+INV_FREQ = np.asarray(MODEL.inv_freq())
+
+
+def np_rope(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE in float64: x [..., T, D] at pos [..., T]."""
+    ang = pos[..., None].astype(np.float64) * INV_FREQ
+    cos, sin = np.cos(ang), np.sin(ang)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def np_softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray):
+    """q [Hkv, G, D], k, v [Hkv, N, D] -> (out [Hkv, G, D], probs [Hkv, G, N]) in float64."""
+    s = np.einsum("kgd,knd->kgn", q, k) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("kgn,knd->kgd", p, v), p
+
+
+# ------------------------------------------------------------------------------ model level vs Full-KV
+
+
+def run_model(model, method, tokens, lengths, prompt_cap, steps, budget_tokens):
+    b = tokens.shape[0]
+    cache = method.init_cache(MODEL, lengths, prompt_cap, steps, jnp.float32, budget_tokens)
+    pos = jnp.broadcast_to(jnp.arange(prompt_cap), (b, prompt_cap))
+    logits, cache = model(
+        tokens[:, :prompt_cap], pos, cache, attend=method.prefill_attend, logit_index=lengths - 1
+    )
+    step = jax.jit(lambda c, t, p: model(t[:, None], p[:, None], c, attend=method.decode_attend))
+    outs = [logits]
+    for i in range(steps):
+        lg, cache = step(cache, tokens[jnp.arange(b), lengths + i], lengths + i)
+        outs.append(lg[:, 0])
+    return np.stack([np.asarray(o) for o in outs]), cache
+
+
+def test_everything_in_f_matches_full_kv():
+    model = Transformer(MODEL, rngs=nnx.Rngs(0))
+    p_cap, steps = 48, 14
+    lengths = jnp.asarray([48, 37], jnp.int32)
+    tokens = jax.random.randint(jax.random.key(1), (2, p_cap + steps), 0, MODEL.vocab_size)
+    ref, _ = run_model(model, FullKV(), tokens, lengths, p_cap, steps, 0)
+    method = make_method("qevict", budget=4.0, recent=8, omega=4)
+    out, cache = run_model(model, method, tokens, lengths, p_cap, steps, 37 + steps)
+    stats = cache_stats(cache)
+    assert stats["routing_events"] == [3, 3] and stats["evictions"] == [0, 0]
+    assert (np.asarray(cache.fp_win) >= 0).sum() > 0  # windows really live in F
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------ layer level references
+
+S, W, R = 2, 4, 4
+CAPS_Q = Capacities(
+    sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=0, nq=8, nl=8, nw_max=16, bits=2, omega=8
+)
+CAPS_F = Capacities(
+    sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=8, nq=0, nl=0, nw_max=16, bits=2, omega=8
+)
+T = 32
+LENGTHS = np.array([32, 27], np.int32)
+
+
+def layer_inputs(seed: int, t: int):
+    rng = np.random.default_rng(seed)
+    h, hkv, d = MODEL.num_heads, MODEL.num_kv_heads, MODEL.head_dim
+    q = rng.standard_normal((2, t, h, d)).astype(np.float32)
+    k = rng.standard_normal((2, t, hkv, d)).astype(np.float32) * np.linspace(0.5, 3, d).astype(np.float32)
+    v = rng.standard_normal((2, t, hkv, d)).astype(np.float32)
+    return q, k, v
+
+
+@functools.cache
+def jitted_layer(caps: Capacities):
+    ranking = Ranking("cumulative")
+    inv = jnp.asarray(INV_FREQ, jnp.float32)
+
+    def run(q, k, v, lengths, q1, k1, v1):
+        cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
+        pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+        ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
+        _, cache = prefill_layer(q, k, v, cache, ctx, ranking, True, 16)
+        ctx1 = LayerContext(positions=lengths[:, None], layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
+        out, cache1 = decode_layer(q1, k1, v1, cache, ctx1, ranking, True)
+        att = tier_attention(
+            q1[:, 0].reshape(2, MODEL.num_kv_heads, -1, MODEL.head_dim), cache1, lengths, inv, None
+        )
+        return out, cache, cache1, att
+
+    return jax.jit(run)
+
+
+def np_kivi_keys(k_post: np.ndarray, start: int) -> np.ndarray:
+    """Post-RoPE keys [Hkv, W, D] of one window -> KIVI dequantized (per channel, pre-RoPE), re-rotated."""
+    pos = start + np.arange(W)
+    pre = np_rope(k_post.astype(np.float64), -pos)
+    c, s, z = np_quantize(np.swapaxes(pre, -1, -2).astype(np.float32), 2)
+    deq = c * s.astype(np.float64)[..., None] + z.astype(np.float64)[..., None]
+    return np_rope(np.swapaxes(deq, -1, -2), pos)
+
+
+def np_kivi_values(v: np.ndarray) -> np.ndarray:
+    c, s, z = np_quantize(v.astype(np.float32), 2)
+    return c * s.astype(np.float64)[..., None] + z.astype(np.float64)[..., None]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_everything_in_q_matches_numpy_kivi_reference(seed):
+    q, k, v = layer_inputs(seed, T)
+    q1, k1, v1 = layer_inputs(seed + 100, 1)
+    k1 = (
+        np_rope(k1.astype(np.float64).swapaxes(1, 2), LENGTHS[:, None, None])
+        .swapaxes(1, 2)
+        .astype(np.float32)
+    )
+    out, cache, _, att = jitted_layer(CAPS_Q)(q, k, v, jnp.asarray(LENGTHS), q1, k1, v1)
+    assert int(np.asarray(cache.evictions).sum()) == 0
+    for b, n in enumerate(LENGTHS):
+        routed = max(0, (n - S - R) // W)
+        assert int(cache.next_win[b]) == routed and int(cache.led_active[b].sum()) == routed
+        keys, vals = (
+            [k[b, :S].swapaxes(0, 1).astype(np.float64)],
+            [v[b, :S].swapaxes(0, 1).astype(np.float64)],
+        )
+        for w in range(routed):
+            sl = slice(S + w * W, S + (w + 1) * W)
+            keys.append(np_kivi_keys(k[b, sl].swapaxes(0, 1), S + w * W))
+            vals.append(np_kivi_values(v[b, sl].swapaxes(0, 1)))
+        tail = slice(S + routed * W, n)
+        keys += [k[b, tail].swapaxes(0, 1), k1[b].swapaxes(0, 1)]
+        vals += [v[b, tail].swapaxes(0, 1), v1[b].swapaxes(0, 1)]
+        qb = q1[b, 0].reshape(MODEL.num_kv_heads, -1, MODEL.head_dim).astype(np.float64)
+        want, probs = np_softmax_attend(qb, np.concatenate(keys, 1), np.concatenate(vals, 1))
+        got = np.asarray(out[b, 0]).reshape(want.shape)
+        # float32 pipeline vs float64: an f16 grid can land one ulp apart (f32 un-rotation and division)
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
+        # tier masses: Q slots carry exactly the reference probability mass of their windows
+        q_mass = probs[:, :, S : S + routed * W].reshape(*probs.shape[:2], routed, W).sum(-1)
+        slots = np.asarray(cache.led_win[b])
+        got_q = np.stack([np.asarray(att.led[b])[:, :, slots == w][..., 0] for w in range(routed)], -1)
+        np.testing.assert_allclose(got_q, q_mass, atol=2e-5)
+
+
+@pytest.mark.parametrize("caps", [CAPS_Q, CAPS_F], ids=["all-q", "all-f"])
+def test_tier_masses_sum_to_one_per_query_head(caps):
+    q, k, v = layer_inputs(7, T)
+    q1, k1, v1 = layer_inputs(8, 1)
+    _, _, cache1, att = jitted_layer(caps)(q, k, v, jnp.asarray(LENGTHS), q1, k1, v1)
+    total = (
+        np.asarray(att.sink).sum(-1)
+        + np.asarray(att.fp).sum((-1, -2))
+        + np.asarray(att.led).sum(-1)
+        + np.asarray(att.local).sum(-1)
+    )
+    assert total.shape == (2, MODEL.num_kv_heads, MODEL.num_heads // MODEL.num_kv_heads)
+    np.testing.assert_allclose(total, 1.0, atol=1e-5)
+    if caps is CAPS_F:  # everything kept exactly: per-window F mass equals the dense softmax mass
+        for b, n in enumerate(LENGTHS):
+            keys = np.concatenate([k[b, :n], k1[b]], 0).swapaxes(0, 1).astype(np.float64)
+            vals = np.concatenate([v[b, :n], v1[b]], 0).swapaxes(0, 1).astype(np.float64)
+            qb = q1[b, 0].reshape(MODEL.num_kv_heads, -1, MODEL.head_dim).astype(np.float64)
+            _, probs = np_softmax_attend(qb, keys, vals)
+            for slot, w in enumerate(np.asarray(cache1.fp_win[b])):
+                if w >= 0:
+                    want = probs[:, :, S + w * W : S + (w + 1) * W].sum(-1)
+                    np.testing.assert_allclose(np.asarray(att.fp[b, :, :, slot]).sum(-1), want, atol=1e-6)
+
+
+def test_ledger_reference_matches_float64():
+    rng = np.random.default_rng(0)
+    b, hkv, g, d, nl, w, bits = 2, 2, 3, 16, 5, 8, 2
+    per = 8 // bits
+    q = rng.standard_normal((b, hkv, g, d)).astype(np.float32)
+    kcodes = rng.integers(0, 1 << bits, (b, hkv, nl, d, w)).astype(np.uint8)
+    vcodes = rng.integers(0, 1 << bits, (b, hkv, nl, w, d)).astype(np.uint8)
+    ks = rng.uniform(0.1, 1, (b, hkv, nl, d)).astype(np.float16)
+    kz = rng.uniform(-2, 0, (b, hkv, nl, d)).astype(np.float16)
+    vs = rng.uniform(0.1, 1, (b, hkv, nl, w)).astype(np.float16)
+    vz = rng.uniform(-2, 0, (b, hkv, nl, w)).astype(np.float16)
+    start = rng.integers(0, 500, (b, nl)).astype(np.int32)
+    valid = np.array([[True, False, True, True, False], [False, False, False, False, False]])
+    out, m, lsum, slot_mass = ledger_attention_reference(
+        q,
+        np_pack(kcodes, bits),
+        ks,
+        kz,
+        np_pack(vcodes, bits),
+        vs,
+        vz,
+        start,
+        valid,
+        jnp.asarray(INV_FREQ, jnp.float32),
+        window=w,
+        bits=bits,
+    )
+    assert np_pack(kcodes, bits).shape[-1] == w // per
+    kpre = kcodes * ks.astype(np.float64)[..., None] + kz.astype(np.float64)[..., None]  # [B, Hkv, NL, D, W]
+    kpost = np_rope(np.swapaxes(kpre, -1, -2), start[:, None, :, None] + np.arange(w))  # [B, Hkv, NL, W, D]
+    vhat = vcodes * vs.astype(np.float64)[..., None] + vz.astype(np.float64)[..., None]
+    s = np.einsum("bkgd,bkntd->bkgnt", q.astype(np.float64), kpost) / np.sqrt(d)
+    mask = valid[:, None, None, :, None]
+    m_ref = np.where(mask, s, -np.inf).max((-1, -2))
+    row0 = np.s_[0]
+    p = np.where(mask, np.exp(s - m_ref[..., None, None]), 0.0)
+    np.testing.assert_allclose(np.asarray(m)[row0], m_ref[row0], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lsum)[row0], p.sum((-1, -2))[row0], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(slot_mass)[row0], p.sum(-1)[row0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(out)[row0], np.einsum("bkgnt,bkntd->bkgd", p, vhat)[row0], rtol=1e-5, atol=1e-5
+    )
+    # a row without a valid slot contributes nothing (and no NaN)
+    assert np.all(np.asarray(lsum)[1] == 0) and np.all(np.asarray(out)[1] == 0)
+    assert np.all(np.asarray(slot_mass)[1] == 0) and np.all(np.isfinite(np.asarray(m)))
