@@ -86,13 +86,30 @@ def _load(args):
     return cfg, model, Tokenizer.from_dir(path)
 
 
+def _budget(method) -> float:
+    """The byte budget β of a budgeted method, 1.0 for methods that keep everything."""
+    cache_cfg = getattr(method, "cache", None)
+    return float(cache_cfg.budget) if getattr(method, "uses_budget", False) and cache_cfg is not None else 1.0
+
+
 def _eos_ids(cfg, tok) -> tuple[int, ...]:
     return tuple(sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids)))
 
 
+def _routing_stats(cache) -> dict:
+    """Routing counters of a tiered cache; zeros for caches that never route (Full-KV)."""
+    from qevict_jax.methods import cache_stats
+    from qevict_jax.tiered import TieredCache
+
+    if isinstance(cache, TieredCache):
+        return cache_stats(cache)
+    zeros = [0] * int(cache.length.shape[-1])
+    return {"routing_events": zeros, "promotions": zeros, "demotions": zeros, "evictions": zeros}
+
+
 def cmd_generate(args) -> int:
     from qevict_jax.generate import SamplerConfig, generate
-    from qevict_jax.methods import cache_stats, make_method
+    from qevict_jax.methods import make_method
 
     method = make_method(args.method, args.budget)
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
@@ -106,15 +123,16 @@ def cmd_generate(args) -> int:
     record = {
         "text": out,
         "method": method.name,
-        "budget": getattr(method, "budget", 1.0),
+        "budget": _budget(method),
         "memory_ratio": res.memory_ratio,
         "cache_bytes": res.cache_bytes,
         "full_kv_bytes": res.full_kv_bytes,
         "prompt_tokens": len(ids),
         "new_tokens": res.new_tokens,
         "ttft_s": res.ttft_s,
+        "compile_s": res.compile_s,
         "decode_tokens_per_s": res.decode_tokens_per_s,
-        **cache_stats(res.cache),
+        **_routing_stats(res.cache),
     }
     if args.json:
         print(json.dumps(record))
@@ -169,7 +187,7 @@ def cmd_needle(args) -> int:
                     json.dumps(
                         {
                             "method": method.name,
-                            "budget": getattr(method, "budget", 1.0),
+                            "budget": _budget(method),
                             "answer": answer,
                             "expected": s.answer,
                             "correct": ok,
@@ -182,14 +200,14 @@ def cmd_needle(args) -> int:
                 )
             else:
                 print(
-                    f"  {method.name:>14} β={getattr(method, 'budget', 1.0):<5} depth={s.depth:.2f} "
+                    f"  {method.name:>14} β={_budget(method):<5} depth={s.depth:.2f} "
                     f"prompt={len(ids)} ok={ok} answer={answer.strip()!r} (expected {s.answer})",
                     file=sys.stderr,
                 )
         rows.append(
             (
                 method.name,
-                getattr(method, "budget", 1.0),
+                _budget(method),
                 correct / len(prompts),
                 sum(ratios) / len(ratios),
                 sum(ttft) / len(ttft),

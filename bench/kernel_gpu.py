@@ -1,0 +1,344 @@
+"""GPU benchmark of the Pallas decode-attention kernels (Q-tier ledger kernel and all-tier attention).
+
+On a GPU (finishes in a few minutes on an H200):
+  1. checks every kernel (ledger, dense slots, all tiers) against its jnp reference on fresh random
+     inputs, with NaN-poisoned outputs;
+  2. measures the device copy bandwidth (a large jnp copy: bytes read + written / time);
+  3. sweeps a few ledger-kernel configurations (block slots, warps) at one context;
+  4. times, per context (8K..128K) and batch (1, 8), one layer of decode attention with Llama-3.1-8B
+     heads (32 query / 8 KV heads, head_dim 128): bf16 Full-KV (``jax.nn.dot_product_attention``)
+     against QEvict's tiers at beta = 0.2 (``fused_attention``) and the Q-tier kernel alone (achieved GB/s
+     over the bytes it reads: codes + grids + q + slot metadata);
+  5. prints the ratio table last; its last line is the headline ratio.
+
+``--cpu-interpret --small`` runs the same checks and a tiny timing table in Pallas interpret mode on the
+CPU (interpret-mode times say nothing about GPU speed; they only show that the script runs).
+
+Tier sizes at beta (per layer and batch row, bytes as allocated): budget = beta * bf16 Full-KV bytes of
+the context; sink (5) and local ring (recent 128 + W) in bf16 are paid first; of the rest, q_frac = 0.7
+goes to ledger slots (INT2 codes + f16 grids + slot_start + valid flag), 0.3 to F slots (bf16 + valid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.fused_attention import (  # noqa: E402
+    dense_slot_attention,
+    dense_slot_attention_reference,
+    fused_attention,
+    fused_attention_reference,
+)
+from pallas_kernels.ledger_attention import ledger_attention  # noqa: E402
+from pallas_kernels.reference import ledger_attention_reference  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Head shapes and cache configuration of the benchmark."""
+
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    window: int = 8
+    bits: int = 2
+    sink: int = 5
+    recent: int = 128
+    beta: float = 0.2
+    q_frac: float = 0.7
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+SMALL = Setup(heads=8, kv_heads=2, head_dim=64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tier sizes and random inputs
+
+
+def tier_sizes(ctx: int, s: Setup) -> tuple[int, int, int]:
+    """(NF, NL, NR) for a context of ``ctx`` tokens at budget ``s.beta`` (bytes per layer and row)."""
+    bf16 = 2
+    token_bytes = 2 * s.kv_heads * s.head_dim * bf16
+    budget = s.beta * ctx * token_bytes
+    nr = s.recent + s.window
+    hist = budget - (s.sink + nr) * token_bytes - 4 * nr  # local ring (+ positions)
+    led_slot = s.kv_heads * (2 * s.window * s.head_dim * s.bits // 8 + 2 * 2 * s.head_dim + 2 * 2 * s.window)
+    fp_slot = s.window * token_bytes
+    nl = max(0, int(s.q_frac * hist // (led_slot + 4 + 1)))
+    nf = max(0, int((1 - s.q_frac) * hist // (fp_slot + 1)))
+    return nf, nl, nr
+
+
+def _uniform(key, shape, lo, hi, dtype):
+    return jax.random.uniform(key, shape, jnp.float32, lo, hi).astype(dtype)
+
+
+def ledger_inputs(key, b: int, nl: int, s: Setup, ctx: int, valid_frac: float = 1.0) -> dict:
+    """Random ledger of ``nl`` slots at distinct window positions inside a context of ``ctx`` tokens."""
+    ks_ = jax.random.split(key, 9)
+    hkv, d, w, per = s.kv_heads, s.head_dim, s.window, 8 // s.bits
+    levels = (1 << s.bits) - 1
+    n_windows = max(nl, (ctx - s.sink) // w)
+    wins = jnp.sort(jax.random.permutation(ks_[0], n_windows)[:nl])
+    valid = jax.random.uniform(ks_[1], (b, nl)) < valid_frac
+    return dict(
+        kc=jax.random.bits(ks_[2], (b, hkv, nl, d, w // per), jnp.uint8),
+        ks=_uniform(ks_[3], (b, hkv, nl, d), 0.1 / levels, 1.5 / levels, jnp.float16),
+        kz=_uniform(ks_[4], (b, hkv, nl, d), -1.0, 0.0, jnp.float16),
+        vc=jax.random.bits(ks_[5], (b, hkv, nl, w, d // per), jnp.uint8),
+        vs=_uniform(ks_[6], (b, hkv, nl, w), 0.1 / levels, 1.5 / levels, jnp.float16),
+        vz=_uniform(ks_[7], (b, hkv, nl, w), -1.0, 0.0, jnp.float16),
+        slot_start=jnp.broadcast_to(s.sink + w * wins, (b, nl)).astype(jnp.int32),
+        slot_valid=valid,
+        inv_freq=(1.0 / 10000.0 ** (jnp.arange(0, d, 2) / d)).astype(jnp.float32),
+    )
+
+
+def tier_inputs(key, b: int, ctx: int, s: Setup, dtype=jnp.bfloat16, valid_frac: float = 1.0) -> dict:
+    """All arguments of ``fused_attention`` for one layer at context ``ctx`` (tier sizes from the budget)."""
+    nf, nl, nr = tier_sizes(ctx, s)
+    k = jax.random.split(key, 9)
+    hkv, d, w = s.kv_heads, s.head_dim, s.window
+    normal = lambda kk, *shape: jax.random.normal(kk, shape, jnp.float32).astype(dtype)
+    args = ledger_inputs(k[0], b, nl, s, ctx, valid_frac)
+    args.update(
+        q=normal(k[1], b, hkv, s.groups, d),
+        sink_k=normal(k[2], b, hkv, s.sink, d),
+        sink_v=normal(k[3], b, hkv, s.sink, d),
+        sink_valid=jnp.ones((b, s.sink), bool),
+        fp_k=normal(k[4], b, hkv, nf, w, d),
+        fp_v=normal(k[5], b, hkv, nf, w, d),
+        fp_valid=jax.random.uniform(k[6], (b, nf)) < valid_frac,
+        local_k=normal(k[7], b, hkv, nr, d),
+        local_v=normal(k[8], b, hkv, nr, d),
+        local_pos=jnp.broadcast_to(ctx - nr + jnp.arange(nr), (b, nr)).astype(jnp.int32),
+    )
+    return args
+
+
+LEDGER_KEYS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "slot_start", "slot_valid", "inv_freq")
+
+
+def ledger_args(args: dict) -> dict:
+    return {k: args[k] for k in LEDGER_KEYS}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checks
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - want).max(initial=0.0) / max(np.abs(want).max(initial=0.0), 1e-30))
+
+
+def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
+    """Every kernel against its reference on fresh inputs with poisoned outputs; prints one line each."""
+    print("== checks (kernel vs jnp reference, NaN-poisoned outputs; max |err| / max |ref|)")
+    ok = True
+    key = jax.random.PRNGKey(int(time.time()))
+    ctx = 2000 if small else 12_000
+    tol = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+    for i, (dtype, bits, valid_frac) in enumerate(
+        [(jnp.float32, 2, 0.7), (jnp.bfloat16, 2, 1.0), (jnp.float32, 4, 0.5)]
+    ):
+        setup = dataclasses.replace(s, bits=bits)
+        args = tier_inputs(jax.random.fold_in(key, i), 2, ctx, setup, dtype, valid_frac)
+        args["slot_valid"] = args["slot_valid"].at[1].set(False)  # a row with every Q slot masked
+        opts = dict(window=setup.window, bits=bits)
+        with jax.default_matmul_precision("highest"):
+            want_l = ledger_attention_reference(**ledger_args(args), **opts)
+            want_f = fused_attention_reference(**args, **opts)
+            dense = (args["q"], args["fp_k"], args["fp_v"], args["fp_valid"])
+            want_d = dense_slot_attention_reference(*dense)
+        got_l = ledger_attention(**ledger_args(args), **opts, interpret=interpret, poison=True)
+        got_f = fused_attention(**args, **opts, interpret=interpret, poison=True)
+        got_d = dense_slot_attention(*dense, interpret=interpret, poison=True)
+        m_ok = bool(np.all(np.asarray(got_l[1])[1] == np.float32(-1e30)))
+        errs = {
+            "ledger.out": rel_err(got_l[0], want_l[0]),
+            "ledger.l": rel_err(got_l[2], want_l[2]),
+            "ledger.slot_mass": rel_err(got_l[3], want_l[3]),
+            "dense.out": rel_err(got_d[0], want_d[0]),
+            "dense.slot_mass": rel_err(got_d[3], want_d[3]),
+            "fused.out": rel_err(got_f.out, want_f.out),
+        }
+        for name in ("sink_mass", "fp_mass", "q_mass", "local_mass"):
+            errs[f"fused.{name}"] = rel_err(getattr(got_f, name), getattr(want_f, name))
+        worst = max(errs.values())
+        passed = worst <= tol[dtype] and m_ok
+        ok &= passed
+        nl = args["kc"].shape[2]
+        print(
+            f"  {'PASS' if passed else 'FAIL'} dtype={jnp.dtype(dtype).name} INT{bits} NL={nl} "
+            f"NF={args['fp_k'].shape[2]} masked-row m ok={m_ok} worst={worst:.2e} (tol {tol[dtype]:g})"
+        )
+        if not passed:
+            print("       " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------------------
+# timing
+
+
+def time_call(fn: Callable, *args, iters: int, reps: int = 5) -> float:
+    """Median seconds per call of jitted ``fn(*args)`` (after a warm-up call)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """GB/s of a device copy of ``nbytes`` (read + write)."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    sec = time_call(copy, x, iters=iters)
+    return 2 * x.nbytes / sec / 1e9
+
+
+def nbytes(*arrays) -> int:
+    return sum(int(a.nbytes) for a in arrays)
+
+
+def sweep_ledger(s: Setup, ctx: int, b: int, interpret: bool, iters: int) -> dict:
+    """Time a few ledger-kernel configurations; returns the fastest as keyword options."""
+    print(f"== ledger kernel sweep (context {ctx}, batch {b})")
+    args = ledger_args(tier_inputs(jax.random.PRNGKey(1), b, ctx, s))
+    read = nbytes(*args.values())
+    best, best_t = {}, float("inf")
+    for block, warps, stages in [(2, 4, 2), (4, 4, 2), (4, 8, 2), (8, 8, 2), (4, 8, 3), (8, 8, 3)]:
+        opts = dict(block_slots=block, num_warps=warps, num_stages=stages)
+        fn = jax.jit(
+            functools.partial(ledger_attention, window=s.window, bits=s.bits, interpret=interpret, **opts)
+        )
+        try:
+            sec = time_call(lambda a, f=fn: f(**a), args, iters=iters)
+        except Exception as e:  # a configuration Triton cannot compile is reported and skipped
+            print(
+                f"  block_slots={block} warps={warps} stages={stages}: failed ({type(e).__name__}: {e})"[:300]
+            )
+            continue
+        print(
+            f"  block_slots={block} warps={warps} stages={stages}: "
+            f"{sec * 1e6:9.1f} us {read / sec / 1e9:8.1f} GB/s"
+        )
+        if sec < best_t:
+            best, best_t = opts, sec
+    print(f"  best: {best}")
+    return best
+
+
+def bench_table(s: Setup, contexts, batches, interpret: bool, iters: int, ledger_opts: dict, copy_gbs: float):
+    """Rows of (ctx, b, NL, NF, full_us, qevict_us, q_us, q_gbs)."""
+    rows = []
+    full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))
+    fused_opts = dict(block_slots=ledger_opts.get("block_slots"), num_warps=ledger_opts.get("num_warps"))
+    fused = jax.jit(
+        functools.partial(fused_attention, window=s.window, bits=s.bits, interpret=interpret, **fused_opts)
+    )
+    ledger = jax.jit(
+        functools.partial(ledger_attention, window=s.window, bits=s.bits, interpret=interpret, **ledger_opts)
+    )
+    for ctx in contexts:
+        for b in batches:
+            key = jax.random.PRNGKey(ctx + b)
+            k1, k2, k3 = jax.random.split(key, 3)
+            shape = (b, ctx, s.kv_heads, s.head_dim)
+            q = jax.random.normal(k1, (b, 1, s.heads, s.head_dim), jnp.bfloat16)
+            kf = jax.random.normal(k2, shape, jnp.bfloat16)
+            vf = jax.random.normal(k3, shape, jnp.bfloat16)
+            full_s = time_call(full, q, kf, vf, iters=iters)
+            del kf, vf
+            args = tier_inputs(key, b, ctx, s)
+            fused_s = time_call(lambda a: fused(**a), args, iters=iters)
+            largs = ledger_args(args)
+            q_s = time_call(lambda a: ledger(**a), largs, iters=iters)
+            q_gbs = nbytes(*largs.values()) / q_s / 1e9
+            rows.append((ctx, b, args["kc"].shape[2], args["fp_k"].shape[2], full_s, fused_s, q_s, q_gbs))
+            del args, largs
+            print(
+                f"  ctx {ctx:>6} B {b}: full {full_s * 1e6:9.1f} us | qevict {fused_s * 1e6:9.1f} us | "
+                f"Q kernel {q_s * 1e6:9.1f} us, {q_gbs:7.2f} GB/s ({q_gbs / copy_gbs:5.1%} of copy)"
+            )
+    return rows
+
+
+def print_table(rows, copy_gbs: float, s: Setup, interpret: bool) -> None:
+    mode = "CPU interpret mode (not a GPU measurement)" if interpret else jax.devices()[0].device_kind
+    print(
+        f"== decode attention, one layer, {s.heads}/{s.kv_heads} heads, D={s.head_dim}, beta={s.beta}: {mode}"
+    )
+    print(f"   device copy bandwidth: {copy_gbs:.1f} GB/s")
+    head = (
+        f"{'context':>8} {'batch':>5} {'NL':>6} {'NF':>5} {'full_us':>10} {'qevict_us':>10} "
+        f"{'Q_us':>9} {'Q_GB/s':>8} {'Q/copy':>7} {'full/qevict':>11}"
+    )
+    print(head)
+    for ctx, b, nl, nf, full_s, fused_s, q_s, q_gbs in rows:
+        print(
+            f"{ctx:>8} {b:>5} {nl:>6} {nf:>5} {full_s * 1e6:>10.1f} {fused_s * 1e6:>10.1f} {q_s * 1e6:>9.1f} "
+            f"{q_gbs:>8.2f} {q_gbs / copy_gbs:>7.1%} {full_s / fused_s:>11.2f}"
+        )
+    ctx, b, *_, full_s, fused_s, _, _ = max(rows, key=lambda r: (r[0], r[1]))
+    print(
+        f"headline: Full-KV / QEvict decode-attention time at context {ctx}, batch {b}: "
+        f"{full_s / fused_s:.2f}x"
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-interpret", action="store_true", help="run the kernels in Pallas interpret mode")
+    p.add_argument("--small", action="store_true", help="tiny shapes and contexts")
+    p.add_argument("--contexts", type=int, nargs="*", default=None)
+    p.add_argument("--batches", type=int, nargs="*", default=None)
+    p.add_argument("--no-sweep", action="store_true", help="skip the ledger configuration sweep")
+    a = p.parse_args(argv)
+    interpret = a.cpu_interpret
+    if not interpret and jax.default_backend() != "gpu":
+        p.error("no GPU backend: use --cpu-interpret (with --small) on a CPU")
+    s = SMALL if a.small else Setup()
+    contexts = a.contexts or ([1024, 2048] if a.small else [8192, 16384, 32768, 65536, 131072])
+    batches = a.batches or ([1] if a.small else [1, 8])
+    iters = 2 if interpret else 20
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {jax.devices()[0].device_kind}")
+    t0 = time.perf_counter()
+    ok = check_kernels(s, interpret, a.small)
+    copy_gbs = copy_bandwidth((64 if a.small else 4096) * 2**20, iters=iters)
+    print(f"== device copy bandwidth: {copy_gbs:.1f} GB/s")
+    ledger_opts = {} if a.no_sweep or interpret else sweep_ledger(s, 32768, 8, interpret, iters)
+    print("== timings")
+    rows = bench_table(s, contexts, batches, interpret, iters, ledger_opts, copy_gbs)
+    print(f"(checks {'passed' if ok else 'FAILED'}; total {time.perf_counter() - t0:.0f} s)")
+    print_table(rows, copy_gbs, s, interpret)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
