@@ -3,7 +3,8 @@
 Layer parameters are stacked on a leading ``[L, ...]`` axis and the forward pass is a ``lax.scan`` over
 layers. The KV cache is not module state: it is a pytree with a leading layer axis passed in and out, and
 what a layer does with its keys and values is an ``AttendFn`` supplied by the caller (Full-KV, QEvict and
-every baseline plug in there). With ``cache=None`` the forward is plain causal attention, no cache.
+every baseline plug in there). By default the scan hands the attend fn one layer's slice of the cache; a
+method with ``stacked_cache = True`` gets the whole stacked cache and ``ctx.layer`` and updates it in place. With ``cache=None`` the forward is plain causal attention, no cache.
 """
 
 from __future__ import annotations
@@ -29,16 +30,24 @@ class LayerContext:
     layer: [] int32 index of the layer being run.
     inv_freq: [D/2] float32 RoPE inverse frequencies (to un-rotate / re-rotate keys).
     cfg: the static model config.
+    wo: [H*D, Dm] the layer's output projection (value-aware scoring: CriticalKV, ReST-KV), or None.
     """
 
     positions: jax.Array
     layer: jax.Array
     inv_freq: jax.Array
     cfg: ModelConfig
+    wo: jax.Array | None = None
 
 
 # (q [B,T,H,D] post-RoPE, k [B,T,Hkv,D] post-RoPE, v [B,T,Hkv,D], layer_cache, ctx) -> (out [B,T,H,D], cache)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, LayerContext], tuple[jax.Array, Any]]
+
+
+def uses_stacked_cache(attend: AttendFn) -> bool:
+    """True when ``attend`` belongs to a method whose attend fns take the whole stacked cache ``[L, ...]``
+    plus ``ctx.layer`` (attribute ``stacked_cache = True``) instead of one layer's slice."""
+    return bool(getattr(getattr(attend, "__self__", None), "stacked_cache", False))
 
 
 def uncached_attend(q, k, v, layer_cache, ctx: LayerContext):
@@ -134,7 +143,7 @@ class Transformer(nnx.Module):
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, ctx.positions, ctx.inv_freq)
         k = apply_rope(k, ctx.positions, ctx.inv_freq)
-        attn, layer_cache = attend(q, k, v, layer_cache, ctx)
+        attn, layer_cache = attend(q, k, v, layer_cache, dataclasses.replace(ctx, wo=p["wo"]))
         x = x + attn.reshape(b, t, -1).astype(x.dtype) @ p["wo"]
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
@@ -159,14 +168,27 @@ class Transformer(nnx.Module):
         inv_freq = jnp.asarray(cfg.inv_freq(), jnp.float32)
         stacked = self.layers.stacked()
 
-        def body(x, xs):
-            p, layer_cache, layer = xs
-            ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
-            x, layer_cache = self._layer(x, p, layer_cache, ctx, attend)
-            return x, layer_cache
-
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        x, cache = jax.lax.scan(body, x, (stacked, cache, layer_ids))
+        if uses_stacked_cache(attend):
+            # The whole stacked cache rides in the scan carry and the attend fn updates its layer in place:
+            # a decode step then writes one token instead of copying every layer's cache (scan xs -> ys).
+            def body_stacked(carry, xs):
+                x, cache = carry
+                p, layer = xs
+                ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
+                x, cache = self._layer(x, p, cache, ctx, attend)
+                return (x, cache), None
+
+            (x, cache), _ = jax.lax.scan(body_stacked, (x, cache), (stacked, layer_ids))
+        else:
+
+            def body(x, xs):
+                p, layer_cache, layer = xs
+                ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
+                x, layer_cache = self._layer(x, p, layer_cache, ctx, attend)
+                return x, layer_cache
+
+            x, cache = jax.lax.scan(body, x, (stacked, cache, layer_ids))
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)

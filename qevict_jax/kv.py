@@ -13,7 +13,7 @@ A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) w
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -52,15 +52,6 @@ def cache_nbytes(cache: Any) -> int:
     return int(sum(leaf.nbytes for leaf in jax.tree.leaves(cache)))
 
 
-def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write new [B, Hkv, T, D] into buffer [B, Hkv, C, D] at per-row offsets ``start`` [B]."""
-
-    def one(buf, x, s):
-        return jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0, s, 0))
-
-    return jax.vmap(one)(buffer, new, start)
-
-
 @struct.dataclass
 class FullCache:
     """Uncompressed KV cache (per layer; stacked caches carry a leading [L] axis on every field).
@@ -76,10 +67,15 @@ class FullCache:
 
 @dataclasses.dataclass(frozen=True)
 class FullKV:
-    """The uncompressed baseline: every token kept in full precision."""
+    """The uncompressed baseline: every token kept in full precision.
+
+    Its attend fns take the whole stacked cache (``stacked_cache``) and write the new token in place, so a
+    decode step never copies the cache.
+    """
 
     name: str = "full"
     prefill_chunk: int = 512
+    stacked_cache: ClassVar[bool] = True
 
     def init_cache(
         self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens=0
@@ -91,22 +87,26 @@ class FullKV:
         return FullCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=length)
 
     def prefill_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
-        out, _ = chunked_attention(
-            q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk
-        )
-        zeros = jnp.zeros((q.shape[0],), jnp.int32)
+        """q [B, P, H, D], k, v [B, P, Hkv, D]; cache: stacked [L, ...]. Writes the layer's prompt KV."""
+        out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk)
+        at = (ctx.layer, 0, 0, 0, 0)
         cache = cache.replace(
-            k=write_rows(cache.k, k.swapaxes(1, 2), zeros), v=write_rows(cache.v, v.swapaxes(1, 2), zeros)
+            k=jax.lax.dynamic_update_slice(cache.k, k.swapaxes(1, 2)[None].astype(cache.k.dtype), at),
+            v=jax.lax.dynamic_update_slice(cache.v, v.swapaxes(1, 2)[None].astype(cache.v.dtype), at),
         )
         return out, cache
 
     def decode_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
+        """q [B, 1, H, D], k, v [B, 1, Hkv, D]; cache: stacked [L, ...]. One token per row, in place."""
         pos = ctx.positions[:, 0]
-        kbuf = write_rows(cache.k, k.swapaxes(1, 2), pos)
-        vbuf = write_rows(cache.v, v.swapaxes(1, 2), pos)
-        b, cap = kbuf.shape[0], kbuf.shape[2]
+        rows = jnp.arange(pos.shape[0])
+        kbuf = cache.k.at[ctx.layer, rows, :, pos].set(k[:, 0].astype(cache.k.dtype))
+        vbuf = cache.v.at[ctx.layer, rows, :, pos].set(v[:, 0].astype(cache.v.dtype))
+        k_layer, v_layer = kbuf[ctx.layer], vbuf[ctx.layer]  # [B, Hkv, C, D]
+        b, cap = k_layer.shape[0], k_layer.shape[2]
         k_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
         out, _ = dense_attention(
-            q, kbuf.swapaxes(1, 2), vbuf.swapaxes(1, 2), ctx.positions, k_pos, ctx.cfg.sliding_window
+            q, k_layer.swapaxes(1, 2), v_layer.swapaxes(1, 2), ctx.positions, k_pos, ctx.cfg.sliding_window
         )
-        return out, FullCache(k=kbuf, v=vbuf, length=pos + 1)
+        length = cache.length.at[ctx.layer].set(pos + 1)
+        return out, FullCache(k=kbuf, v=vbuf, length=length)
