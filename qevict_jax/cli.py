@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from qevict_jax.eval.cli import add_eval_parser, cmd_eval
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--json", action="store_true", help="print one JSON line per sample")
 
+    add_eval_parser(sub)
     sub.add_parser("methods", help="list the available KV-cache methods")
     return parser
 
@@ -241,7 +244,7 @@ def cmd_methods(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"convert": cmd_convert, "generate": cmd_generate, "needle": cmd_needle, "methods": cmd_methods}
+    handler = {"convert": cmd_convert, "generate": cmd_generate, "needle": cmd_needle, "methods": cmd_methods, "eval": cmd_eval}
     try:
         return handler[args.command](args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:

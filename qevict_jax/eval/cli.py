@@ -1,0 +1,324 @@
+"""``qevict eval {ruler,longbench,gsm8k,fidelity}``: sweeps of methods x budgets x lengths x samples.
+
+Each writes into ``--out``: results.jsonl (one record per finished sample, appended at once; a rerun skips
+what is there), sweep.json (the configuration; a rerun with another one is refused), summary.md, summary.csv
+and pareto.png; the Markdown table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_METHODS = "full,streamingllm,h2o,snapkv,kivi2,r2,qevict"
+EVAL_TASKS = ("ruler", "longbench", "gsm8k", "fidelity")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _add_common(
+    p: argparse.ArgumentParser, *, lengths: str | None, samples: int, out: str, lengths_help: str = ""
+) -> None:
+    try:
+        from qevict_jax.cli import _add_model_args
+    except ImportError:  # pragma: no cover - the main CLI always has it
+        p.add_argument("--model", default="smollm2-135m-instruct")
+        p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    else:
+        _add_model_args(p)
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated; unavailable ones are skipped")
+    p.add_argument("--budgets", default="0.2", help="comma-separated budgets β (fraction of Full-KV bytes)")
+    if lengths is not None:
+        p.add_argument("--lengths", default=lengths, help=lengths_help or "comma-separated lengths in tokens")
+    p.add_argument(
+        "--samples", type=int, default=samples, help="samples per task and length (data files: the first N)"
+    )
+    p.add_argument("--out", type=Path, default=Path(out), help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override the task's generation length")
+    p.add_argument("--no-chat", action="store_true", help="never wrap prompts in the chat template")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``eval`` with its four sub-commands to a ``qevict`` sub-parser set; returns the ``eval`` parser."""
+    from qevict_jax.eval import longbench, ruler
+
+    p = subparsers.add_parser("eval", help="benchmark sweeps: RULER, LongBench, GSM8K, fidelity")
+    sub = p.add_subparsers(dest="eval_task", required=True)
+
+    r = sub.add_parser("ruler", help="RULER synthetic tasks (niah, vt, cwe, fwe), generated with seeds")
+    _add_common(
+        r,
+        lengths="4096",
+        samples=10,
+        out="runs/ruler",
+        lengths_help="context lengths in tokens: prompt + answer",
+    )
+    r.add_argument("--tasks", default="niah_single_1", help=f"comma list or 'all': {', '.join(ruler.TASKS)}")
+    r.add_argument(
+        "--haystack", choices=["ruler", *ruler.HAYSTACKS], default="ruler", help="ruler = each task's own"
+    )
+    r.add_argument(
+        "--depths", default=None, help="needle depths in [0,1], cycled over samples (default seeded)"
+    )
+
+    lb = sub.add_parser("longbench", help="LongBench's 12 English tasks from the official JSONL files")
+    _add_common(
+        lb,
+        lengths="7500",
+        samples=20,
+        out="runs/longbench",
+        lengths_help="maximum prompt tokens (longer prompts are cut in the middle, as LongBench does)",
+    )
+    lb.add_argument("--data-dir", type=Path, required=True, help="folder with <task>.jsonl")
+    lb.add_argument("--tasks", default="all", help=f"comma list or 'all': {', '.join(longbench.TASKS)}")
+
+    g = sub.add_parser("gsm8k", help="GSM8K with the 8-shot chain-of-thought prompt")
+    _add_common(g, lengths=None, samples=50, out="runs/gsm8k")
+    g.add_argument("--data-file", type=Path, required=True, help="official test.jsonl")
+
+    f = sub.add_parser("fidelity", help="teacher-forced KL / top-1 agreement / perplexity against Full-KV")
+    _add_common(
+        f, lengths="2048,4096", samples=4, out="runs/fidelity", lengths_help="prefill lengths in tokens"
+    )
+    f.add_argument("--targets", type=int, default=64, help="teacher-forced tokens after the prefill")
+    return p
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Load the model and tokenizer named by ``--model``, then run the sweep."""
+    from qevict_jax.cli import _eos_ids, _load
+
+    precheck(args)
+    cfg, model, tok = _load(args)
+    run_eval(args, model, tok, _eos_ids(cfg, tok))
+    return 0
+
+
+def precheck(args: argparse.Namespace) -> None:
+    """Fail fast, before the model loads: unknown tasks, missing data files, malformed lists."""
+    from qevict_jax.eval import gsm8k, longbench, ruler
+
+    _floats(args.budgets)
+    if hasattr(args, "lengths"):
+        _ints(args.lengths)
+    if args.eval_task == "ruler" and args.tasks != "all":
+        for t in _names(args.tasks):
+            ruler.tokens_to_generate(t)
+    if args.eval_task == "longbench":
+        for t in longbench.TASKS if args.tasks == "all" else _names(args.tasks):
+            longbench.load_task(args.data_dir, t, limit=1)
+    if args.eval_task == "gsm8k":
+        gsm8k.load(args.data_file, limit=1)
+
+
+def run_eval(
+    args: argparse.Namespace,
+    model,
+    tokenizer,
+    eos_ids: Sequence[int],
+    *,
+    generate_fn: Callable | None = None,
+    teacher_forced_fn: Callable | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Run the sweep that ``args`` describes with a loaded model; print and return the records."""
+    from qevict_jax.eval.harness import FidelityHarness, GenerationHarness, resolve_methods
+    from qevict_jax.eval.sweep import check_config, expand_jobs, run_sweep, write_summary
+
+    log = log or (lambda m: print(m, file=sys.stderr))
+    methods = resolve_methods(_names(args.methods), _floats(args.budgets), log)
+    kind = args.eval_task
+    lengths = _ints(args.lengths) if hasattr(args, "lengths") else [0]
+    config = _config(args)
+    check_config(args.out, config)
+    if kind == "fidelity":
+        sample_fn = _fidelity_sampler(args, tokenizer)
+        harness: Any = FidelityHarness(model, methods, sample_fn, teacher_forced_fn)
+        jobs = expand_jobs(["fidelity"], list(methods), lengths, args.samples)
+        extra, score_name = ("kl", "ppl_change"), "top-1 agreement (%)"
+    else:
+        tasks, prepare, samples = _generation_setup(args, tokenizer)
+        harness = GenerationHarness(model, tokenizer, methods, prepare, eos_ids, args.seed, generate_fn)
+        jobs = expand_jobs(tasks, list(methods), lengths, samples)
+        extra, score_name = (), "score"
+    records = run_sweep(
+        jobs, harness, Path(args.out) / "results.jsonl", progress=not args.no_progress, desc=kind
+    )
+    table = write_summary(records, args.out, extra, score_name)
+    print(table)
+    log(f"results: {Path(args.out) / 'results.jsonl'}; plot: {Path(args.out) / 'pareto.png'}")
+    return records
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    """What a job's key does not capture but its result depends on."""
+    keys = ("model", "dtype", "seed", "max_new_tokens", "no_chat", "haystack", "depths", "targets")
+    config = {"eval": args.eval_task, **{k: getattr(args, k) for k in keys if hasattr(args, k)}}
+    for k in ("data_dir", "data_file"):
+        if hasattr(args, k):
+            config[k] = str(Path(getattr(args, k)).resolve())
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prompts per benchmark
+
+
+def _chat_wrapper(args: argparse.Namespace, tokenizer) -> Callable[[str], str] | None:
+    if args.no_chat or not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda text: tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+
+
+def _encode_plain(tokenizer) -> Callable[[str], list[int]]:
+    return lambda text: list(tokenizer.encode(text, add_bos=False))
+
+
+def _generation_setup(args: argparse.Namespace, tokenizer):
+    """(tasks, prepare(task, length, sample) -> Prepared, samples per task) for ruler / longbench / gsm8k."""
+    if args.eval_task == "ruler":
+        return _ruler_setup(args, tokenizer)
+    if args.eval_task == "longbench":
+        return _longbench_setup(args, tokenizer)
+    if args.eval_task == "gsm8k":
+        return _gsm8k_setup(args, tokenizer)
+    raise ValueError(f"unknown evaluation {args.eval_task!r}")
+
+
+def _ruler_setup(args: argparse.Namespace, tokenizer):
+    from qevict_jax.eval import ruler
+    from qevict_jax.eval.harness import Prepared
+
+    tasks = list(ruler.TASKS) if args.tasks == "all" else _names(args.tasks)
+    for t in tasks:
+        ruler.tokens_to_generate(t)  # validates the name before any work
+    wrap = _chat_wrapper(args, tokenizer)
+    count = _encode_plain(tokenizer)
+    overhead = len(tokenizer.encode(wrap("") if wrap else ""))
+    depths = _floats(args.depths) if args.depths else None
+    haystack = None if args.haystack == "ruler" else args.haystack
+
+    def prepare(task: str, length: int, sample: int) -> Prepared:
+        gen = args.max_new_tokens or ruler.tokens_to_generate(task)
+        s = ruler.ruler_sample(
+            task,
+            args.seed + sample,
+            length,
+            lambda text: len(count(text)),
+            tokens_to_generate=gen,
+            overhead_tokens=overhead,
+            haystack=haystack,
+            depth=depths[sample % len(depths)] if depths else None,
+        )
+        text = wrap(s.input) + s.answer_prefix.lstrip() if wrap else s.input + s.answer_prefix
+        info = {"depths": list(s.depths), "haystack": s.haystack}
+        return Prepared(
+            tokenizer.encode(text), gen, list(s.outputs), functools.partial(ruler.ruler_score, s), info
+        )
+
+    return tasks, prepare, args.samples
+
+
+def _longbench_setup(args: argparse.Namespace, tokenizer):
+    from qevict_jax.eval import longbench
+    from qevict_jax.eval.harness import Prepared
+
+    tasks = list(longbench.TASKS) if args.tasks == "all" else _names(args.tasks)
+    data = {t: longbench.load_task(args.data_dir, t, limit=args.samples) for t in tasks}
+    wrap = _chat_wrapper(args, tokenizer)
+    encode = _encode_plain(tokenizer)
+
+    def prepare(task: str, length: int, sample: int) -> Prepared:
+        rec = data[task][sample]
+        prompt = longbench.truncate_middle(longbench.build_prompt(rec), length, encode, tokenizer.decode)
+        if wrap and longbench.uses_chat_template(task):
+            prompt = wrap(prompt)
+        gen = args.max_new_tokens or longbench.MAX_NEW_TOKENS[task]
+        scorer = functools.partial(_longbench_score, task, rec.answers, rec.all_classes)
+        info = {"id": rec.id, "data_length": rec.length}
+        return Prepared(tokenizer.encode(prompt), gen, list(rec.answers), scorer, info)
+
+    return tasks, prepare, {t: len(d) for t, d in data.items()}
+
+
+def _longbench_score(task: str, answers, all_classes, prediction: str) -> float:
+    from qevict_jax.eval import longbench
+
+    return longbench.score(task, prediction, answers, all_classes)
+
+
+def _gsm8k_setup(args: argparse.Namespace, tokenizer):
+    from qevict_jax.eval import gsm8k
+    from qevict_jax.eval.harness import Prepared
+
+    problems = gsm8k.load(args.data_file, limit=args.samples)
+    stop = _encode_plain(tokenizer)("\n\n")
+    stop_ids = tuple(stop) if len(stop) == 1 else ()  # the exemplars' separator ends an answer early
+
+    def prepare(task: str, length: int, sample: int) -> Prepared:
+        rec = problems[sample]
+        gen = args.max_new_tokens or gsm8k.MAX_NEW_TOKENS
+        ids = tokenizer.encode(gsm8k.few_shot_prompt(rec.question))
+        scorer = functools.partial(_gsm8k_score, rec.answer)
+        return Prepared(ids, gen, [rec.answer], scorer, stop_ids=stop_ids, annotate=_gsm8k_annotate)
+
+    return ["gsm8k"], prepare, {"gsm8k": len(problems)}
+
+
+def _gsm8k_score(reference: str, prediction: str) -> float:
+    from qevict_jax.eval import gsm8k
+
+    return gsm8k.score(prediction, reference)
+
+
+def _gsm8k_annotate(prediction: str) -> dict[str, str]:
+    from qevict_jax.eval import gsm8k
+
+    return {"extracted": gsm8k.extract_answer(prediction)}
+
+
+def _fidelity_sampler(args: argparse.Namespace, tokenizer) -> Callable[[int, int], Any]:
+    from qevict_jax.eval.fidelity import fidelity_sample
+
+    encode = _encode_plain(tokenizer)
+    bos = list(tokenizer.encode("", add_bos=True))
+
+    def sample_fn(length: int, sample: int):
+        return fidelity_sample(args.seed + sample, length, args.targets, encode, bos=bos)
+
+    return sample_fn
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser (``python -m qevict_jax.eval ARGS`` = ``qevict eval ARGS``)."""
+    parser = argparse.ArgumentParser(prog="qevict", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_eval_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return cmd_eval(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"qevict eval: error: {err}", file=sys.stderr)
+        return 2
