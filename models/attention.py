@@ -82,18 +82,55 @@ def chunked_attention(
     sliding_window: int | None = None,
     chunk: int = 512,
     q_valid: jax.Array | None = None,
+    causal_blocks: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D], looping over query chunks.
+    """Attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D], one query chunk at a time.
 
     Memory is O(chunk * Tk) per head instead of O(Tq * Tk). Also returns the exact column sums of the
     attention probabilities, ``mass [B, Hkv, G, Tk]`` (float32): the attention each key received from
     every valid query (``q_valid`` [B, Tq], default all), which cumulative scoring methods need.
+
+    causal_blocks (default: Tq == Tk): queries and keys are the same tokens with non-decreasing positions,
+    so query chunk i only needs keys [0, end of chunk i): the key blocks after it are skipped (half the work
+    of a causal prefill). Masking by positions still applies inside the kept blocks.
     """
     b, tq, h, d = q.shape
-    hkv = k.shape[2]
+    tk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
     if q_valid is None:
         q_valid = jnp.ones((b, tq), bool)
+    if causal_blocks is None:
+        causal_blocks = tq == tk
+    if not causal_blocks:
+        return _scan_chunked_attention(q, k, v, q_pos, k_pos, sliding_window, chunk, q_valid)
+    # [B, Hkv, T, D] keys/values and [B, Hkv, G, T, D] queries: each block is one batched matmul over Hkv
+    kt = k.transpose(0, 2, 1, 3).astype(jnp.float32)
+    vt = v.transpose(0, 2, 1, 3).astype(jnp.float32)
+    qt = (q.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4) * d**-0.5).astype(jnp.float32)
+    weight = q_valid.astype(jnp.float32)
+    mass = jnp.zeros((b, hkv, g, tk), jnp.float32)
+    outs = []
+    for start in range(0, tq, chunk):
+        end = min(start + chunk, tq)
+        c = end - start
+        qi = qt[:, :, :, start:end].reshape(b, hkv, g * c, d)
+        s = jnp.einsum("bkmd,bksd->bkms", qi, kt[:, :, :end]).reshape(b, hkv, g, c, end)
+        mask = attention_mask(q_pos[:, start:end], k_pos[:, :end], sliding_window)[:, None, None]
+        s = jnp.where(mask, s, NEG_INF)
+        p = jnp.exp(s - s.max(-1, keepdims=True))
+        p = jnp.where(mask, p / p.sum(-1, keepdims=True), 0.0)
+        o = jnp.einsum("bkms,bksd->bkmd", p.reshape(b, hkv, g * c, end), vt[:, :, :end])
+        outs.append(o.reshape(b, hkv, g, c, d))
+        mass = mass.at[..., :end].add(jnp.einsum("bkgts,bt->bkgs", p, weight[:, start:end]))
+    out = jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d)
+    return out.astype(q.dtype), mass
+
+
+def _scan_chunked_attention(q, k, v, q_pos, k_pos, sliding_window, chunk, q_valid):
+    """General chunked attention (any query/key positions): a ``lax.scan`` over query chunks."""
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
     if tq <= chunk:
         out, probs = dense_attention(q, k, v, q_pos, k_pos, sliding_window)
         mass = jnp.einsum("bkgts,bt->bkgs", probs, q_valid.astype(jnp.float32))
