@@ -244,7 +244,13 @@ def cmd_methods(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"convert": cmd_convert, "generate": cmd_generate, "needle": cmd_needle, "methods": cmd_methods, "eval": cmd_eval}
+    handler = {
+        "convert": cmd_convert,
+        "generate": cmd_generate,
+        "needle": cmd_needle,
+        "methods": cmd_methods,
+        "eval": cmd_eval,
+    }
     try:
         return handler[args.command](args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from qevict_jax.kv import full_kv_bytes
 
-RANKINGS = ("cumulative", "decayed", "pnorm", "keynorm")
+RANKINGS = ("cumulative", "decayed", "pnorm", "keynorm", "restkv")
+LAYOUTS = ("tiered", "pool", "local", "keep_all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,15 @@ class CacheConfig:
     dormant_reserve: ledger slots reserved for dormant copies of promoted windows, as a fraction of NF
         (capped at half the ledger); ignored without promotion.
     prefill_chunk: query chunk of the prefill attention.
+    layout: which tiers hold the history (one cache pytree, ``tiered.TieredCache``, for every layout):
+        "tiered": F + Q windows (QEvict, R1-R4); "pool": a per-KV-head token pool (W = 1; each slot records
+        its owner KV head; the eviction baselines); "local": sinks + recent region only, the recent region
+        grown to fill the budget (StreamingLLM); "keep_all": every window that leaves the recent region is
+        quantized into the Q tier and nothing is evicted (KIVI; the budget does not apply).
+    static: compress once after prefill (no decode-time routing; the ring is sized to also hold every
+        decoded token, and, with ``question_capacity``, the uncompressed question). Pool layout only.
+    question_capacity: ring room for question tokens appended uncompressed after a question-agnostic
+        compression of the context (static pool layouts).
     """
 
     sink: int = 5
@@ -59,8 +69,19 @@ class CacheConfig:
     promotion: bool = True
     dormant_reserve: float = 0.5
     prefill_chunk: int = 512
+    layout: str = "tiered"
+    static: bool = False
+    question_capacity: int = 0
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; available: {', '.join(LAYOUTS)}")
+        if self.layout == "pool" and self.window != 1:
+            raise ValueError("the pool layout is token-level: window must be 1")
+        if self.static and self.layout != "pool":
+            raise ValueError("static (compress-once) caches need the pool layout")
+        if self.question_capacity < 0:
+            raise ValueError(f"question_capacity must be >= 0, got {self.question_capacity}")
         if self.bits not in (2, 4):
             raise ValueError(f"bits must be 2 or 4, got {self.bits}")
         if self.window < 1:
@@ -109,6 +130,12 @@ class Capacities:
     nf: F slots. nq: maximum active Q windows. nl: ledger slots (nq + reserve for dormant entries).
     nw_max: number of window ids a sequence of the sized length can have (caps nf and nq).
     bits: code width. omega: routing interval.
+    pool_per_head: token slots per KV head of the head pool (pool layout; 0 otherwise); the pool has
+        ``Hkv * pool_per_head`` slots per layer and row.
+    pool_scores: the pool keeps per-slot and per-ring-token scores (decode-time eviction).
+    decode_routing: route at decode time (False: compressed once after prefill).
+    layer_caps: per-layer number of pool slots per head actually filled at prefill (PyramidKV); empty =
+        ``pool_per_head`` for every layer.
     """
 
     sink: int
@@ -121,6 +148,10 @@ class Capacities:
     nw_max: int
     bits: int
     omega: int
+    pool_per_head: int = 0
+    pool_scores: bool = False
+    decode_routing: bool = True
+    layer_caps: tuple[int, ...] = ()
 
     @property
     def ring_windows(self) -> int:
@@ -180,8 +211,14 @@ def solve_capacities(
     them: more slots than windows that can exist would be allocated and never used).
     Raises ValueError naming the minimum β when sink + recent + one window do not fit.
     """
+    if cache_cfg.layout == "keep_all":
+        return keep_all_capacities(cache_cfg, max_windows)
     if budget_tokens < 1:
         raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
+    if cache_cfg.layout != "tiered":
+        raise ValueError(
+            f"use solve_pool_capacities / solve_local_capacities for layout {cache_cfg.layout!r}"
+        )
     itemsize = jnp.dtype(dtype).itemsize
     full = full_kv_bytes(model_cfg, budget_tokens, dtype, batch)
     if cache_cfg.budget_bytes is not None:
@@ -224,3 +261,148 @@ def solve_capacities(
     if total > budget:  # the cache is linear in nf and nl, so this cannot happen
         raise AssertionError(f"solver overshoot: {total} > {budget} bytes for {result}")
     return result
+
+
+def budget_bytes_of(
+    cache_cfg: CacheConfig, model_cfg: ModelConfig, batch: int, budget_tokens: int, dtype
+) -> int:
+    """The byte budget: ``budget_bytes * batch`` when set, else ``floor(β * full_kv_bytes(budget_tokens))``."""
+    if cache_cfg.budget_bytes is not None:
+        return int(cache_cfg.budget_bytes) * batch
+    return int(math.floor(cache_cfg.budget * full_kv_bytes(model_cfg, budget_tokens, dtype, batch)))
+
+
+def keep_all_capacities(cache_cfg: CacheConfig, max_windows: int | None) -> Capacities:
+    """KIVI-style keep-everything mode: the Q tier has a slot for every window the sequence can have, no F
+    tier, no dormant reserve; the byte budget does not apply (the measured size is what it is)."""
+    if max_windows is None:
+        raise ValueError("keep_all capacities need max_windows (the windows of prompt + new tokens)")
+    recent = int(cache_cfg.recent) if not isinstance(cache_cfg.recent, float) else 0
+    if isinstance(cache_cfg.recent, float):
+        raise ValueError("keep_all needs an integer recent region")
+    ring = ring_capacity(recent, cache_cfg.window, cache_cfg.omega)
+    return Capacities(
+        cache_cfg.sink,
+        cache_cfg.window,
+        recent,
+        ring,
+        0,
+        max_windows,
+        max_windows,
+        max_windows,
+        cache_cfg.bits,
+        cache_cfg.omega,
+    )
+
+
+def _fit_error(cache_cfg, budget: int, fixed: int, need: int, full: int, what: str) -> ValueError:
+    min_beta = math.ceil((fixed + need) / full * 1e4) / 1e4
+    return ValueError(
+        f"budget too small: {budget} bytes cannot hold {what}; the minimum budget for this model, batch and "
+        f"length is beta >= {min_beta:.4f} ({int(math.ceil(fixed + need))} bytes)"
+    )
+
+
+def solve_local_capacities(
+    cache_cfg: CacheConfig, model_cfg: ModelConfig, batch: int, budget_tokens: int, dtype: Any
+) -> Capacities:
+    """Sinks + the largest recent region that fits the budget (StreamingLLM): no F, Q or pool slots.
+
+    R is the largest multiple of W for which the whole pytree (sinks, ring of ``ring_capacity(R)`` slots,
+    scores, counters) fits; the ring holds R to R + Ω + W - 1 tokens between routing events.
+    """
+    budget = budget_bytes_of(cache_cfg, model_cfg, batch, budget_tokens, dtype)
+    full = full_kv_bytes(model_cfg, budget_tokens, dtype, batch)
+    w = cache_cfg.window
+
+    def caps(r: int) -> Capacities:
+        ring = ring_capacity(r, w, cache_cfg.omega)
+        return Capacities(cache_cfg.sink, w, r, ring, 0, 0, 0, 0, cache_cfg.bits, cache_cfg.omega)
+
+    fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
+    per_w = _cache_bytes(caps(w), model_cfg, batch, dtype) - fixed
+    if fixed + per_w > budget:
+        raise _fit_error(cache_cfg, budget, fixed, per_w, full, f"{cache_cfg.sink} sinks and one window")
+    r = (budget - fixed) // per_w * w
+    while r > 0 and _cache_bytes(caps(r), model_cfg, batch, dtype) > budget:
+        r -= w
+    return caps(r)
+
+
+def solve_pool_capacities(
+    cache_cfg: CacheConfig,
+    model_cfg: ModelConfig,
+    batch: int,
+    budget_tokens: int,
+    dtype: Any,
+    max_new_tokens: int,
+    max_selectable: int,
+) -> Capacities:
+    """Capacities of the per-KV-head token pool (eviction baselines, W = 1).
+
+    Fixed part: sinks, the ring (recent R + Ω for decode-time eviction; R + every decoded token + the
+    question capacity for compress-once caches), ring scores and counters. The rest of the byte budget buys
+    pool slots, ``Hkv`` at a time (one per KV head: K and V of one head, position, owner head, score), at
+    most ``max_selectable`` per head (more could never be filled).
+    """
+    budget = budget_bytes_of(cache_cfg, model_cfg, batch, budget_tokens, dtype)
+    full = full_kv_bytes(model_cfg, budget_tokens, dtype, batch)
+    itemsize = jnp.dtype(dtype).itemsize
+    recent = resolve_recent(cache_cfg, budget / (batch * model_cfg.kv_bytes_per_token(itemsize)))
+    if cache_cfg.static:
+        ring = recent + max_new_tokens + cache_cfg.question_capacity
+    else:
+        ring = ring_capacity(recent, 1, cache_cfg.omega)
+
+    def caps(pph: int) -> Capacities:
+        return Capacities(
+            cache_cfg.sink,
+            1,
+            recent,
+            ring,
+            0,
+            0,
+            0,
+            0,
+            cache_cfg.bits,
+            cache_cfg.omega,
+            pool_per_head=pph,
+            pool_scores=not cache_cfg.static,
+            decode_routing=not cache_cfg.static,
+        )
+
+    fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
+    per = _cache_bytes(caps(1), model_cfg, batch, dtype) - fixed
+    if fixed + per > budget:
+        raise _fit_error(
+            cache_cfg,
+            budget,
+            fixed,
+            per,
+            full,
+            f"{cache_cfg.sink} sinks, the ring of {ring} tokens (R={recent}) and one pool slot per head",
+        )
+    pph = min((budget - fixed) // per, max(1, max_selectable))
+    result = caps(pph)
+    if _cache_bytes(result, model_cfg, batch, dtype) > budget:  # linear in pph: cannot happen
+        raise AssertionError(f"solver overshoot for {result}")
+    return result
+
+
+def pyramid_layer_caps(mean: float, num_layers: int, prefix: int, beta: float) -> tuple[int, ...]:
+    """PyramidKV per-layer budgets (arXiv 2406.02069; kvpress ``PyramidKVPress.get_layer_budget``).
+
+    ``mean`` selected tokens per head and layer on average over a prefix of ``prefix`` tokens (observation
+    window excluded): ``min = mean / beta``, ``max = 2 mean - min`` (clipped to the prefix, then
+    ``min = 2 mean - max``), layer l gets ``round(max - l (max - min) / (L - 1))``. Falls back to the
+    uniform ``round(mean)`` when ``max < min``.
+    """
+    lo = mean / beta
+    hi = 2 * mean - lo
+    if hi >= prefix:
+        hi = prefix
+        lo = 2 * mean - hi
+    if not hi >= lo >= 0 or num_layers < 2:
+        return tuple(int(round(mean)) for _ in range(num_layers))
+    steps = (hi - lo) / (num_layers - 1)
+    return tuple(int(round(hi - layer * steps)) for layer in range(num_layers))

@@ -88,7 +88,9 @@ class FullKV:
 
     def prefill_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
         """q [B, P, H, D], k, v [B, P, Hkv, D]; cache: stacked [L, ...]. Writes the layer's prompt KV."""
-        out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk)
+        out, _ = chunked_attention(
+            q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk
+        )
         at = (ctx.layer, 0, 0, 0, 0)
         cache = cache.replace(
             k=jax.lax.dynamic_update_slice(cache.k, k.swapaxes(1, 2)[None].astype(cache.k.dtype), at),

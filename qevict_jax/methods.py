@@ -1,8 +1,10 @@
 """The QEvict KV method and its named configurations (the registry the CLI, evaluation and tests read).
 
 Every variant is a ``CacheConfig`` over the same tiered machinery: the paper's diagnostic variants R1-R4
-differ in window size and in whether the Q tier exists. Baselines are meant to be added the same way
-(e.g. StreamingLLM = no history at all, H2O = W=1 with cumulative ranking and no Q tier).
+differ in window size and in whether the Q tier exists; "qevict-restkv" ranks the prompt's windows with the
+ReST-KV output-change score. The baselines (StreamingLLM, H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV,
+CriticalKV, ReST-KV, KIVI-2/4) are configurations and small policies over the same cache, in
+``qevict_jax.baselines``.
 """
 
 from __future__ import annotations
@@ -57,8 +59,15 @@ class QEvict:
         max_new_tokens: int,
         dtype: Any,
         budget_tokens: int,
+        context_lengths: jax.Array | None = None,
     ) -> TieredCache:
-        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
+        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32.
+
+        ``context_lengths`` (question-agnostic compression) is not supported by the window tiers."""
+        if context_lengths is not None:
+            raise ValueError(
+                f"{self.name} compresses the whole prompt; question-agnostic mode is unsupported"
+            )
         b = prompt_lengths.shape[0]
         caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
         return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
@@ -81,25 +90,47 @@ _VARIANTS: dict[str, dict[str, Any]] = {
     "r3": {"window": 8},
     "r4": {"window": 32},
     "qevict-nopromo": {"promotion": False},
+    "qevict-restkv": {"ranking": "restkv"},  # ReST-KV output-change ranking of the prompt's windows
 }
 
 
 def available_methods() -> list[str]:
-    """Names accepted by ``make_method``."""
-    return [*_VARIANTS, "full"]
+    """Names accepted by ``make_method``: Full-KV, QEvict and its variants, every baseline."""
+    from qevict_jax.baselines import BASELINES
+
+    return ["full", *_VARIANTS, *BASELINES]
 
 
-def make_method(name: str, budget: float = 0.2, **overrides: Any) -> KVMethod:
+def make_method(
+    name: str, budget: float = 0.2, question_agnostic: bool = False, **overrides: Any
+) -> KVMethod:
     """The named method at byte budget ``budget`` (fraction of Full-KV); ``overrides`` replace any
-    ``CacheConfig`` field (e.g. ``window=16, ranking="decayed"``)."""
+    ``CacheConfig`` field (e.g. ``window=16, ranking="decayed"``).
+
+    question_agnostic: prompt-based baselines (``baselines.PROMPT_METHODS``) compress the context only and
+    append the question uncompressed; the cache then reserves ``question_capacity`` (default 256) tokens
+    for it and ``init_cache`` needs ``context_lengths``.
+    """
+    from qevict_jax.baselines import BASELINES, PROMPT_METHODS
+
     if name == "full":
         return FullKV()
-    if name not in _VARIANTS:
+    if name not in _VARIANTS and name not in BASELINES:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
     fields = {f.name for f in dataclasses.fields(CacheConfig)}
     unknown = set(overrides) - fields
     if unknown:
         raise ValueError(f"unknown cache option(s) {sorted(unknown)}; known: {sorted(fields)}")
+    if question_agnostic and name not in PROMPT_METHODS:
+        raise ValueError(
+            f"question-agnostic mode is for the prompt-compressing methods {', '.join(PROMPT_METHODS)}, not {name!r}"
+        )
+    if name in BASELINES:
+        base = BASELINES[name]
+        extra = {"question_capacity": 256} if question_agnostic else {}
+        cfg = dataclasses.replace(base.cache, budget=budget, **{**extra, **overrides})
+        method = dataclasses.replace(base, cache=cfg)
+        return dataclasses.replace(method, question_agnostic=True) if question_agnostic else method
     cfg = CacheConfig(**{**_VARIANTS[name], "budget": budget, **overrides})
     return QEvict(name=name, cache=cfg)
 

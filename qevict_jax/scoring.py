@@ -75,6 +75,8 @@ class Ranking:
     kind: str = "cumulative"
     decay: float = 0.98
     p: float = 3.0
+    n_obs: int = 32  # "restkv": observation window (last prompt queries)
+    alpha: float = 0.3  # "restkv": EMA factor over the observation rows
 
     @property
     def attention_based(self) -> bool:
@@ -82,7 +84,7 @@ class Ranking:
 
     def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
         """One decode step: score [...] f32, mass [...] head-mean window mass -> new score."""
-        if self.kind == "cumulative":
+        if self.kind in ("cumulative", "restkv"):
             return score + mass
         if self.kind == "decayed":
             return self.decay * score + mass
@@ -108,14 +110,35 @@ class Ranking:
         num_windows: int,
         sliding_window: int | None,
         chunk: int,
+        v: jax.Array | None = None,
+        wo: jax.Array | None = None,
     ) -> jax.Array:
         """Scores [B, NW] of the prompt windows after the prompt pass.
 
         q [B, T, H, D], k [B, T, Hkv, D] (post-RoPE), positions [B, T], lengths [B] (right padding);
         column_mass [B, Hkv, G, T]: attention each key received from every valid query (cumulative case).
+        v [B, T, Hkv, D] and wo [H*D, Dm] (the layer's output projection): needed by "restkv".
+
+        "restkv": the ReST-KV output-change score (``restkv_scores``, EMA over the last ``n_obs`` prompt
+        queries, kernel-5 average pooling), head-mean, summed per window, for windows that end before the
+        observation window; it is rescaled per row so that these windows' total equals their cumulative
+        attention mass (decode steps then add attention mass in the same units). Windows overlapping the
+        observation window (they start in the recent region) keep their cumulative mass.
         """
         valid = positions < lengths[:, None]
         k_pos = jnp.where(valid, positions, -1)
+        if self.kind == "restkv":
+            if v is None or wo is None:
+                raise ValueError("the restkv ranking needs the values and the layer's W_O (LayerContext.wo)")
+            tok = restkv_scores(q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None).mean(1)
+            rest_w = window_sums(tok, sink, window, num_windows)
+            cum_w = window_sums(column_mass.mean(axis=(1, 2)), sink, window, num_windows)
+            win_end = sink + (jnp.arange(num_windows) + 1) * window
+            early = win_end[None] <= (lengths - self.n_obs)[:, None]
+            num = jnp.sum(jnp.where(early, cum_w, 0.0), axis=1, keepdims=True)
+            den = jnp.sum(jnp.where(early, rest_w, 0.0), axis=1, keepdims=True)
+            scale = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
+            return jnp.where(early, rest_w * scale, cum_w)
         if self.kind == "cumulative":
             token = column_mass.mean(axis=(1, 2))
             return window_sums(token, sink, window, num_windows)
@@ -151,3 +174,171 @@ def prompt_windows(x: jax.Array, sink: int, window: int, num_windows: int) -> ja
     t = body.shape[1]
     body = jnp.pad(body, ((0, 0), (0, max(0, need - t)), (0, 0), (0, 0)))[:, :need]
     return body.reshape(x.shape[0], num_windows, window, *x.shape[2:])
+
+
+# ------------------------------------------------------------------------ token scores of prompt-based methods
+
+
+def observation_attention(
+    q: jax.Array, k: jax.Array, end: jax.Array, n_obs: int, sliding_window: int | None
+) -> jax.Array:
+    """Attention rows of the ``n_obs`` queries just before ``end`` [B] (the observation window).
+
+    q [B, T, H, D], k [B, T, Hkv, D] post-RoPE at positions 0..T-1; keys at positions >= end are masked.
+    Returns probs [B, Hkv, G, n_obs, T] f32 (row i = query at position end - n_obs + i, causal; rows before
+    position 0 are zero).
+    """
+    b, t = q.shape[:2]
+    idx = end[:, None] - n_obs + jnp.arange(n_obs, dtype=jnp.int32)  # [B, n_obs]
+    q_pos = jnp.where(idx >= 0, idx, -1)
+    qo = jnp.take_along_axis(q, jnp.clip(idx, 0, t - 1)[:, :, None, None], axis=1)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    k_pos = jnp.where(pos < end[:, None], pos, -1)
+    logits = grouped_scores(qo, k)
+    mask = attention_mask(q_pos, k_pos, sliding_window)[:, None, None]
+    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1), 0.0)
+
+
+def avg_pool(x: jax.Array, n: jax.Array, kernel: jax.Array, left: jax.Array, replicate: bool) -> jax.Array:
+    """Stride-1 average pooling of x [..., T] whose valid part is ``[0, n)`` (n [...] int).
+
+    Output t averages the ``kernel`` entries ``t - left .. t - left + kernel - 1`` (kernel, left [...]
+    int, may differ per row), reading zeros (``replicate=False``: ``F.avg_pool1d`` with zero padding,
+    ``count_include_pad``) or the edge values (``replicate=True``: ``F.pad(mode="replicate")``) outside.
+    """
+    t = jnp.arange(x.shape[-1])
+    n, kernel, left = (jnp.asarray(a)[..., None] for a in (n, kernel, left))
+    xv = jnp.where(t < n, x.astype(jnp.float32), 0.0)
+    csum = jnp.concatenate([jnp.zeros((*x.shape[:-1], 1), jnp.float32), jnp.cumsum(xv, axis=-1)], axis=-1)
+    a = t - left
+    lo = jnp.clip(a, 0, n)
+    hi = jnp.clip(a + kernel, 0, n)
+    total = jnp.take_along_axis(csum, hi, axis=-1) - jnp.take_along_axis(csum, lo, axis=-1)
+    total = jnp.where(hi > lo, total, 0.0)
+    if replicate:
+        first = xv[..., :1]
+        last = jnp.take_along_axis(xv, jnp.clip(n - 1, 0, x.shape[-1] - 1), axis=-1)
+        total += jnp.clip(-a, 0, kernel) * first + jnp.clip(a + kernel - n, 0, kernel) * last
+    return total / kernel
+
+
+def snapkv_scores(
+    q: jax.Array, k: jax.Array, end: jax.Array, n_obs: int, kernel: int, sliding_window: int | None
+) -> jax.Array:
+    """SnapKV (arXiv 2404.14469; kvpress ``SnapKVPress``): token scores [B, Hkv, T] f32.
+
+    Mean over the observation window (the last ``n_obs`` queries before ``end`` [B]) of each query head's
+    attention to the prefix keys (positions < end - n_obs), average pooling (kernel ``kernel``, zero padded),
+    then the mean over the query heads of each KV group (GQA).
+    """
+    probs = observation_attention(q, k, end, n_obs, sliding_window)  # [B, Hkv, G, n, T]
+    rows = probs.mean(axis=3)  # [B, Hkv, G, T]
+    prefix = jnp.broadcast_to((end - n_obs)[:, None, None], rows.shape[:3])
+    pooled = avg_pool(rows, prefix, kernel, kernel // 2, replicate=False)
+    return pooled.mean(axis=2)
+
+
+def ema_weights(n: int, alpha: float) -> jax.Array:
+    """Weights [n] of an EMA over n rows initialized with the first row: ``e_0 = x_0``,
+    ``e_i = alpha x_i + (1 - alpha) e_{i-1}``; the result is ``sum_i w_i x_i``."""
+    i = jnp.arange(n, dtype=jnp.float32)
+    w = alpha * jnp.power(1.0 - alpha, n - 1 - i)
+    return w.at[0].set((1.0 - alpha) ** (n - 1))
+
+
+def restkv_scores(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    end: jax.Array,
+    wo: jax.Array,
+    n_obs: int,
+    alpha: float,
+    sliding_window: int | None,
+    capacity: int | None,
+    min_kernel: int = 5,
+    scale: float = 200.0,
+) -> jax.Array:
+    """ReST-KV (arXiv 2605.08840, reference code ``restkv_utils.RestKVCluster``, "after" metric with EMA and
+    W_O): token scores [B, Hkv, T] f32.
+
+    Per query head h: ``a = EMA_alpha`` over the observation rows of the attention to the prefix keys
+    (positions < end - n_obs); ``o = sum_j a_j v_j`` over the prefix; ``score_j = a_j / (1 - a_j) *
+    ||W_O,h (o - v_j)||_2`` (the output change when j is removed and the softmax renormalizes), with
+    ``W_O,h = wo[h D:(h+1) D]`` [D, Dm]. Spatial smoothing: ``capacity=None`` -> average pooling with kernel
+    ``min_kernel`` (zero padded); else the adaptive window: per head, ``t`` = mean position shift of the top
+    ``capacity`` keys between the first and second half of the observation rows, kernel
+    ``max(min_kernel, 2 floor(|t| / scale) + 1)``, shift ``floor(t / scale)`` (t > 0) or
+    ``floor(t / scale) + 1``, asymmetric replicate padding. Finally the mean over each KV group (GQA).
+    """
+    b, t, hkv, d = k.shape
+    probs = observation_attention(q, k, end, n_obs, sliding_window)  # [B, Hkv, G, n, T]
+    g = probs.shape[2]
+    prefix = end - n_obs
+    in_prefix = (jnp.arange(t)[None] < prefix[:, None])[:, None, None, :]
+    abar = jnp.einsum("bkgnt,n->bkgt", probs, ema_weights(n_obs, alpha))
+    abar = jnp.where(in_prefix, abar, 0.0)
+    obar = jnp.einsum("bkgt,btkd->bkgd", abar, v.astype(jnp.float32))
+    w = wo.astype(jnp.float32).reshape(hkv, g, d, -1)
+    gram = jnp.einsum("kgdm,kgem->kgde", w, w)  # ||x W||^2 = x^T (W W^T) x
+    diff = obar[:, :, :, None, :] - v.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None]  # [B,Hkv,G,T,D]
+    sq = jnp.einsum("bkgtd,kgde,bkgte->bkgt", diff, gram, diff)
+    score = abar / (1.0 - abar) * jnp.sqrt(jnp.maximum(sq, 0.0))
+    score = jnp.where(in_prefix, score, 0.0)
+    n_pre = jnp.broadcast_to(prefix[:, None, None], score.shape[:3])
+    if capacity is None:
+        pooled = avg_pool(score, n_pre, min_kernel, min_kernel // 2, replicate=False)
+    else:
+        kk = max(1, min(capacity, t))
+        half = n_obs // 2
+        order = jnp.argsort(probs, axis=-1)[..., t - kk :]  # [B, Hkv, G, n, kk] top keys, ascending
+        shift_t = (
+            (order[..., :half, :] - order[..., half : 2 * half, :]).astype(jnp.float32).mean(axis=(-1, -2))
+        )
+        kernel = jnp.maximum(min_kernel, 2 * jnp.floor(jnp.abs(shift_t) / scale) + 1).astype(jnp.int32)
+        shift = jnp.where(shift_t > 0, jnp.floor(shift_t / scale), jnp.floor(shift_t / scale) + 1).astype(
+            jnp.int32
+        )
+        pooled = avg_pool(score, n_pre, kernel, kernel // 2 - shift, replicate=True)
+    return pooled.mean(axis=2)
+
+
+def projected_value_l1(v: jax.Array, wo: jax.Array) -> jax.Array:
+    """CriticalKV's value weight: ``||v_j W_O,h||_1`` per query head, mean over each KV group.
+
+    v [B, T, Hkv, D], wo [H*D, Dm] -> [B, Hkv, T] f32 (kvpress ``CriticalKVPress.vwl1norm``).
+    """
+    b, t, hkv, d = v.shape
+    w = wo.astype(jnp.float32).reshape(hkv, -1, d, wo.shape[-1])
+    proj = jnp.einsum("btkd,kgdm->bkgtm", v.astype(jnp.float32), w)
+    return jnp.abs(proj).sum(-1).mean(axis=2)
+
+
+def criticalkv_scores(
+    base: jax.Array,
+    v: jax.Array,
+    wo: jax.Array,
+    eligible: jax.Array,
+    capacity: int,
+    first_stage_ratio: float = 0.5,
+    epsilon: float = 1e-4,
+) -> jax.Array:
+    """CriticalKV two-stage selection (arXiv 2502.03805; kvpress ``CriticalKVPress``) as scores [B, Hkv, T].
+
+    Stage 1: each head's top ``int(capacity * first_stage_ratio)`` eligible tokens by the base (attention)
+    score are kept outright (score = float max). Stage 2: the rest are ranked by
+    ``(base + epsilon) * ||W_O v||_1`` (output-perturbation bound of the value-aware reweighting).
+    """
+    s2 = (base + epsilon) * projected_value_l1(v, wo)
+    n1 = int(capacity * first_stage_ratio)
+    if n1 == 0:
+        return s2
+    masked = jnp.where(eligible[:, None, :], base, -jnp.inf)
+    vals, top = jax.lax.top_k(masked, min(n1, base.shape[-1]))
+    b, hkv = base.shape[:2]
+    hit = (
+        jnp.zeros(base.shape, bool)
+        .at[jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None], top]
+        .set(vals > -jnp.inf)
+    )
+    return jnp.where(hit, jnp.finfo(jnp.float32).max, s2)

@@ -25,7 +25,15 @@ from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.reference import combine_partials, ledger_attention_reference
 from qevict_jax.config import Capacities
-from qevict_jax.routing import LEDGER_FIELDS, plan_routing, quantize_windows, route_row
+from qevict_jax.routing import (
+    LEDGER_FIELDS,
+    _rank,
+    assign_slots,
+    plan_routing,
+    quantize_windows,
+    ring_candidates,
+    route_row,
+)
 from qevict_jax.scoring import Ranking, prompt_windows
 
 
@@ -61,13 +69,28 @@ class TieredCache:
     promotions: jax.Array  # [B] int32 Q -> F transitions
     demotions: jax.Array  # [B] int32 F -> Q transitions
     evictions: jax.Array  # [B] int32 windows evicted (prefill included)
+    # head pool (pool layout, NP = Hkv * pool_per_head token slots; zero-sized in the other layouts)
+    hp_k: jax.Array  # [B, NP, D] post-RoPE key of one KV head at one position
+    hp_v: jax.Array  # [B, NP, D]
+    hp_pos: jax.Array  # [B, NP] int32 absolute position, -1 = empty
+    hp_head: jax.Array  # [B, NP] int8 owning KV head
+    hp_score: jax.Array  # [B, NPS] f32 running score (NPS = NP with decode-time eviction, else 0)
+    ring_hscore: jax.Array  # [B, Hkv, RS] f32 per-head score of each ring slot (RS = RING or 0, as NPS)
+    ctx_len: jax.Array  # [B] int32 context length: compression sees positions < ctx_len only (the rest of
+    # the prompt, the question, is appended uncompressed); = prompt length in question-aware mode
     caps: Capacities = struct.field(pytree_node=False)
 
 
 def init_cache(
-    caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any, lengths: jax.Array | None = None
+    caps: Capacities,
+    model_cfg: ModelConfig,
+    batch: int,
+    dtype: Any,
+    lengths: jax.Array | None = None,
+    context_lengths: jax.Array | None = None,
 ) -> TieredCache:
-    """An empty stacked cache: every array field has a leading [L] axis. lengths: [B] tokens seen."""
+    """An empty stacked cache: every array field has a leading [L] axis. lengths: [B] tokens seen;
+    context_lengths: [B] the part of the prompt that compression may see (default: all of it)."""
     L, hkv, d = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
     b, w, nf, nl = batch, caps.window, caps.nf, caps.nl
     per = 8 // caps.bits
@@ -78,6 +101,10 @@ def init_cache(
     if lengths is None:
         lengths = jnp.zeros((b,), jnp.int32)
     counter = z((), jnp.int32)
+    npool = hkv * caps.pool_per_head
+    nps = npool if caps.pool_scores else 0
+    if context_lengths is None:
+        context_lengths = lengths
     return TieredCache(
         sink_k=z((hkv, caps.sink, d), dtype),
         sink_v=z((hkv, caps.sink, d), dtype),
@@ -104,6 +131,15 @@ def init_cache(
         promotions=counter,
         demotions=counter,
         evictions=counter,
+        hp_k=z((npool, d), dtype),
+        hp_v=z((npool, d), dtype),
+        hp_pos=jnp.full((L, b, npool), -1, jnp.int32),
+        hp_head=jnp.broadcast_to(
+            (jnp.arange(npool, dtype=jnp.int32) // max(1, caps.pool_per_head)).astype(jnp.int8), (L, b, npool)
+        ),
+        hp_score=z((nps,), jnp.float32),
+        ring_hscore=z((hkv, caps.ring if caps.pool_scores else 0), jnp.float32),
+        ctx_len=jnp.broadcast_to(jnp.asarray(context_lengths, jnp.int32), (L, b)),
         caps=caps,
     )
 
@@ -192,7 +228,7 @@ def prefill_layer(
     out, mass = chunked_attention(q, k, v, positions, k_pos, ctx.cfg.sliding_window, chunk, q_valid=valid)
     nwp = max(0, -(-(t - s) // w))
     scores = ranking.prefill_window_scores(
-        q, k, positions, lengths, mass, s, w, nwp, ctx.cfg.sliding_window, chunk
+        q, k, positions, lengths, mass, s, w, nwp, ctx.cfg.sliding_window, chunk, v=v, wo=ctx.wo
     )  # [B, NWP]
 
     routed = jnp.maximum(0, jnp.floor_divide(lengths - s - caps.recent, w))  # [B] windows leaving the prompt
@@ -370,3 +406,284 @@ def decode_layer(
     cache = jax.lax.cond(due, route, lambda c: c, cache)
     out = att.out.reshape(b, 1, h, d).astype(q.dtype)
     return out, cache
+
+
+# ---------------------------------------------------------------------------------------------- head pool
+# The pool layout (eviction baselines): sinks, the ring, and a pool of token slots each owned by one KV head,
+# so that every head keeps its own tokens (uniform, layer-varying or head-adaptive budgets) while the memory
+# is the pool itself, sized by the budget. A *policy* (``qevict_jax.baselines``) supplies the scores.
+
+
+def pool_partial(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Attention partial of queries q [B, Hkv, G, T, D] over keys k, v [B, Hkv, N, D] (per-head keys) or
+    [B, N, D] (pool keys shared by every head, owner masked) with mask [B, Hkv, G, T, N] (broadcastable).
+
+    Returns (out [B, Hkv, G, T, D], m, l [B, Hkv, G, T], exp sums [B, Hkv, G, T, N]), all f32.
+    """
+    b, hkv, g, t, d = q.shape
+    n = k.shape[-2]
+    if n == 0:
+        zeros = jnp.zeros((b, hkv, g, t), jnp.float32)
+        return jnp.zeros((b, hkv, g, t, d)), zeros + NEG_INF, zeros, jnp.zeros((b, hkv, g, t, 0))
+    qs = q.astype(jnp.float32) * d**-0.5
+    if k.ndim == 3:
+        s = jnp.einsum("bkgtd,bnd->bkgtn", qs, k.astype(jnp.float32))
+    else:
+        s = jnp.einsum("bkgtd,bknd->bkgtn", qs, k.astype(jnp.float32))
+    s = jnp.where(mask, s, NEG_INF)
+    m = s.max(-1)
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    if v.ndim == 3:
+        out = jnp.einsum("bkgtn,bnd->bkgtd", p, v.astype(jnp.float32))
+    else:
+        out = jnp.einsum("bkgtn,bknd->bkgtd", p, v.astype(jnp.float32))
+    return out, m, p.sum(-1), p
+
+
+class PoolAttention(struct.PyTreeNode):
+    """Attention of T queries over the pool layout: out [B, T, H, D] (query dtype); probabilities
+    pool [B, Hkv, G, T, NP] and ring [B, Hkv, G, T, RING] (f32)."""
+
+    out: jax.Array
+    pool: jax.Array
+    ring: jax.Array
+
+
+def pool_attention(q: jax.Array, q_pos: jax.Array, cache: TieredCache, sliding_window) -> PoolAttention:
+    """Queries q [B, T, H, D] (post-RoPE) at q_pos [B, T] (-1 = padding) over sinks, the head pool and the
+    ring of one layer, causal by absolute position. The cache must already hold the current tokens."""
+    caps = cache.caps
+    b, t, h, d = q.shape
+    hkv = cache.sink_k.shape[1]
+    g = h // hkv
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+
+    def causal(k_pos):  # k_pos [B, N] -> [B, 1, 1, T, N]
+        ok = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0) & (q_pos[:, :, None] >= 0)
+        if sliding_window is not None:
+            ok &= q_pos[:, :, None] - k_pos[:, None, :] < sliding_window
+        return ok[:, None, None]
+
+    sink_pos = jnp.broadcast_to(jnp.arange(caps.sink, dtype=jnp.int32), (b, caps.sink))
+    sink_pos = jnp.where(sink_pos < cache.length[:, None], sink_pos, -1)
+    p_sink = pool_partial(qg, cache.sink_k, cache.sink_v, causal(sink_pos))
+    owner = (
+        cache.hp_head.astype(jnp.int32)[:, None, None, None, :] == jnp.arange(hkv)[None, :, None, None, None]
+    )
+    p_pool = pool_partial(qg, cache.hp_k, cache.hp_v, causal(cache.hp_pos) & owner)
+    ring_pos = ring_positions(cache.length, caps)
+    ring_pos = jnp.where(ring_valid(cache.length, cache.next_win, caps), ring_pos, -1)
+    p_ring = pool_partial(qg, cache.local_k, cache.local_v, causal(ring_pos))
+    parts = (p_sink, p_pool, p_ring)
+    out, weights = combine_partials([p[:3] for p in parts])
+    probs = [p[3] * wt[..., None] for p, wt in zip(parts, weights, strict=True)]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    return PoolAttention(out=out, pool=probs[1], ring=probs[2])
+
+
+def select_pool(
+    scores: jax.Array,
+    eligible: jax.Array,
+    per_head: int,
+    layer_cap: jax.Array | int,
+    adaptive: bool,
+    alpha_safeguard: float = 0.2,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Choose the pool content from token scores [B, Hkv, T] (higher = keep) over ``eligible`` [B, T].
+
+    Uniform (``adaptive=False``): each head keeps its top ``layer_cap`` (<= per_head) tokens in its own
+    ``per_head`` slots (slot = head * per_head + rank). Adaptive (Ada-KV, arXiv 2407.11550): every head
+    first secures its top ``int(alpha_safeguard * per_head)`` tokens, then the layer's ``Hkv * per_head``
+    slots go to the top scores over all heads together; a slot records its owner head.
+    Returns (position [B, NP] int32, -1 = empty; owner head [B, NP] int32; score [B, NP] f32).
+    """
+    b, hkv, t = scores.shape
+    s = jnp.where(eligible[:, None, :], scores.astype(jnp.float32), -jnp.inf)
+    k = min(per_head, t)
+    if not adaptive:
+        vals, idx = jax.lax.top_k(s, k)  # [B, Hkv, k]
+        ok = (jnp.arange(k) < layer_cap)[None, None] & (vals > -jnp.inf)
+        pos = jnp.where(ok, idx, -1).astype(jnp.int32)
+        head = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[None, :, None], pos.shape)
+        pad = per_head - k
+        pos = jnp.pad(pos, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+        head = jnp.pad(head, ((0, 0), (0, 0), (0, pad)), mode="edge") if pad else head
+        vals = jnp.pad(jnp.where(ok, vals, 0.0), ((0, 0), (0, 0), (0, pad)))
+        return pos.reshape(b, -1), head.reshape(b, -1), vals.reshape(b, -1)
+    n_safe = int(per_head * alpha_safeguard)
+    forced = s
+    if n_safe:
+        _, top = jax.lax.top_k(s, min(n_safe, t))
+        hit = (
+            jnp.zeros(s.shape, bool)
+            .at[jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None], top]
+            .set(True)
+        )
+        forced = jnp.where(hit & (s > -jnp.inf), jnp.finfo(jnp.float32).max, s)
+    total = hkv * per_head
+    kk = min(total, hkv * t)
+    vals, idx = jax.lax.top_k(forced.reshape(b, hkv * t), kk)
+    ok = vals > -jnp.inf
+    head = (idx // t).astype(jnp.int32)
+    pos = jnp.where(ok, idx % t, -1).astype(jnp.int32)
+    true_score = jnp.take_along_axis(s.reshape(b, hkv * t), idx, axis=1)
+    pad = total - kk
+    pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
+    head = jnp.pad(head, ((0, 0), (0, pad)))
+    return pos, head, jnp.pad(jnp.where(ok, true_score, 0.0), ((0, 0), (0, pad)))
+
+
+def pool_prefill_layer(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, policy: Any, chunk: int
+) -> tuple[jax.Array, TieredCache]:
+    """Prompt pass of one layer in the pool layout: q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows
+    right-padded. Returns (out [B, T, H, D], cache).
+
+    The context (positions < ``cache.ctx_len``) is attended causally and scored by ``policy``; positions
+    ``S <= p < ctx_len - R`` compete for the pool, the last R context tokens and everything after the
+    context (the question, question-agnostic mode) stay in the ring. In question-agnostic mode the question
+    tokens then attend to the *compressed* cache (sinks, pool, ring), as if they were appended after the
+    compression.
+    """
+    caps = cache.caps
+    s = caps.sink
+    b, t = q.shape[:2]
+    hkv = k.shape[2]
+    lengths, ctx_len = cache.length, cache.ctx_len
+    positions = ctx.positions
+    in_ctx = positions < ctx_len[:, None]
+    k_pos = jnp.where(in_ctx, positions, -1)
+    out, mass = chunked_attention(q, k, v, positions, k_pos, ctx.cfg.sliding_window, chunk, q_valid=in_ctx)
+    scores = policy.prefill_scores(q, k, v, positions, ctx_len, mass, ctx, caps)  # [B, Hkv, T]
+    routed = jnp.maximum(0, ctx_len - s - caps.recent)  # tokens leaving the ring: S <= p < S + routed
+    eligible = (positions >= s) & (positions < s + routed[:, None])
+    layer_cap = jnp.asarray(caps.layer_caps, jnp.int32)[ctx.layer] if caps.layer_caps else caps.pool_per_head
+    pos, head, slot_score = select_pool(
+        scores, eligible, caps.pool_per_head, layer_cap, policy.adaptive, policy.alpha_safeguard
+    )
+    flat = head * t + jnp.clip(pos, 0, t - 1)  # [B, NP]
+    kt = k.swapaxes(1, 2).reshape(b, hkv * t, -1)  # [B, Hkv*T, D]
+    vt = v.swapaxes(1, 2).reshape(b, hkv * t, -1)
+    ok = (pos >= 0)[..., None]
+    hp_k = jnp.where(ok, jnp.take_along_axis(kt, flat[..., None], axis=1), 0).astype(cache.hp_k.dtype)
+    hp_v = jnp.where(ok, jnp.take_along_axis(vt, flat[..., None], axis=1), 0).astype(cache.hp_v.dtype)
+    kept = jnp.sum(pos >= 0, axis=1, dtype=jnp.int32)
+    evicted = hkv * jnp.sum(eligible, axis=1, dtype=jnp.int32) - kept
+
+    kt4, vt4 = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, Hkv, T, D]
+    take = lambda x, idx: jnp.take_along_axis(x, jnp.clip(idx, 0, t - 1)[:, None, :, None], axis=2)
+    sink_pos = jnp.arange(s, dtype=jnp.int32)
+    sink_ok = (sink_pos[None] < lengths[:, None])[:, None, :, None]
+    sink_idx = jnp.broadcast_to(sink_pos, (b, s))
+    ring_pos = ring_positions(lengths, caps)
+    ring_ok = ring_valid(lengths, routed, caps)
+    cache = cache.replace(
+        sink_k=jnp.where(sink_ok, take(kt4, sink_idx), 0).astype(cache.sink_k.dtype),
+        sink_v=jnp.where(sink_ok, take(vt4, sink_idx), 0).astype(cache.sink_v.dtype),
+        local_k=jnp.where(ring_ok[:, None, :, None], take(kt4, ring_pos), 0).astype(cache.local_k.dtype),
+        local_v=jnp.where(ring_ok[:, None, :, None], take(vt4, ring_pos), 0).astype(cache.local_v.dtype),
+        hp_k=hp_k,
+        hp_v=hp_v,
+        hp_pos=pos,
+        hp_head=head.astype(jnp.int8),
+        next_win=routed.astype(jnp.int32),
+        evictions=cache.evictions + evicted,
+    )
+    if caps.pool_scores:
+        ring_sc = jnp.take_along_axis(scores, jnp.clip(ring_pos, 0, t - 1)[:, None, :], axis=2)
+        cache = cache.replace(
+            hp_score=slot_score.astype(jnp.float32),
+            ring_hscore=jnp.where(ring_ok[:, None, :], ring_sc, 0.0).astype(jnp.float32),
+        )
+    if policy.question_agnostic:
+        q_pos = jnp.where(positions < lengths[:, None], positions, -1)
+        late = pool_attention(q, q_pos, cache, ctx.cfg.sliding_window).out
+        out = jnp.where((positions >= ctx_len[:, None])[:, :, None, None], late, out)
+    return out, cache
+
+
+def pool_decode_layer(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, policy: Any
+) -> tuple[jax.Array, TieredCache]:
+    """One decode step in the pool layout: q [B, 1, H, D], k, v [B, 1, Hkv, D] -> (out [B, 1, H, D], cache).
+
+    The token goes to the sink or the ring; attention reads sinks, pool and ring. With decode-time eviction
+    the policy's per-head attention statistic updates the slot and ring scores, and every Ω steps the
+    tokens that left the recent region compete with each head's pool slots (``route_pool_row``).
+    """
+    caps = cache.caps
+    s = caps.sink
+    pos = ctx.positions[:, 0]
+    kx, vx = k[:, 0], v[:, 0]
+    in_sink = pos < s
+    ring_slot = jnp.mod(pos - s, caps.ring)
+    cache = cache.replace(
+        sink_k=_write_slot(cache.sink_k, kx, pos, in_sink),
+        sink_v=_write_slot(cache.sink_v, vx, pos, in_sink),
+        local_k=_write_slot(cache.local_k, kx, ring_slot, ~in_sink),
+        local_v=_write_slot(cache.local_v, vx, ring_slot, ~in_sink),
+        length=pos + 1,
+        steps=cache.steps + 1,
+    )
+    att = pool_attention(q, ctx.positions, cache, ctx.cfg.sliding_window)
+    if not caps.decode_routing:
+        return att.out, cache
+    fresh = (jnp.arange(caps.ring)[None] == ring_slot[:, None]) & ~in_sink[:, None]  # [B, RING]
+    ring_score = jnp.where(fresh[:, None], 0.0, cache.ring_hscore)
+    own = att.pool[:, :, :, 0].mean(axis=2)  # [B, Hkv, NP] group mean
+    own = jnp.take_along_axis(own, cache.hp_head.astype(jnp.int32)[:, None, :], axis=1)[:, 0]  # owner's
+    slot_mass = policy.slot_mass(own, caps.pool_per_head)  # [B, NP]
+    cache = cache.replace(
+        hp_score=jnp.where(cache.hp_pos >= 0, policy.update(cache.hp_score, slot_mass), 0.0),
+        ring_hscore=policy.update(ring_score, policy.decode_mass(att.ring[:, :, :, 0])),
+    )
+    due = jnp.mod(cache.steps[0], caps.omega) == 0
+    route = jax.vmap(lambda row: route_pool_row(row, policy))
+    cache = jax.lax.cond(due, route, lambda c: c, cache)
+    return att.out, cache
+
+
+def route_pool_row(row: Any, policy: Any) -> Any:
+    """Decode-time eviction for one batch row of the pool layout (uniform per-head slots).
+
+    The tokens that left the recent region (``ring_candidates`` with W = 1) compete, head by head, with
+    the head's ``pool_per_head`` slots: the top ``pool_per_head`` scores stay (ties: pool slots first, then
+    older candidates), newcomers take the freed slots.
+    """
+    caps = row.caps
+    pph = caps.pool_per_head
+    cand_win, ring_slot = ring_candidates(row)  # [K]
+    hkv, _, d = row.local_k.shape
+    cand_k = row.local_k[:, ring_slot]  # [Hkv, K, D]
+    cand_v = row.local_v[:, ring_slot]
+    cand_score = policy.candidate_score(row.ring_hscore[:, ring_slot], cand_k)  # [Hkv, K]
+    cand_pos = caps.sink + cand_win
+
+    def per_head(slot_pos, slot_score, c_score):
+        valid = jnp.concatenate([slot_pos >= 0, cand_win >= 0])
+        score = jnp.concatenate([slot_score, c_score]).astype(jnp.float32)
+        keep = valid & (_rank(jnp.where(valid, score, -jnp.inf)) < pph)
+        keep_slot, keep_cand = jnp.split(keep, [pph])
+        target = assign_slots(~keep_slot, keep_cand)  # [K], pph = none
+        new_pos = jnp.where(keep_slot, slot_pos, -1).at[target].set(cand_pos, mode="drop")
+        new_score = jnp.where(keep_slot, slot_score, 0.0).at[target].set(c_score, mode="drop")
+        return new_pos, new_score, target, jnp.sum(valid & ~keep, dtype=jnp.int32)
+
+    pos, score, target, gone = jax.vmap(per_head)(
+        row.hp_pos.reshape(hkv, pph), row.hp_score.reshape(hkv, pph), cand_score
+    )
+    slot = (jnp.arange(hkv)[:, None] * pph + jnp.where(target < pph, target, hkv * pph)).reshape(-1)
+    hp_k = row.hp_k.at[slot].set(cand_k.reshape(-1, d).astype(row.hp_k.dtype), mode="drop")
+    hp_v = row.hp_v.at[slot].set(cand_v.reshape(-1, d).astype(row.hp_v.dtype), mode="drop")
+    new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
+    return row.replace(
+        hp_k=hp_k,
+        hp_v=hp_v,
+        hp_pos=pos.reshape(-1),
+        hp_score=score.reshape(-1),
+        next_win=new_next,
+        routing_events=row.routing_events + 1,
+        evictions=row.evictions + gone.sum(),
+    )

@@ -33,7 +33,9 @@ def reference(q, k, v, q_pos, k_pos, window, q_valid):
 
 
 @pytest.mark.parametrize("causal_blocks", [True, False])
-@pytest.mark.parametrize(("t", "chunk", "window"), [(37, 8, None), (64, 16, None), (50, 16, 7), (20, 64, None)])
+@pytest.mark.parametrize(
+    ("t", "chunk", "window"), [(37, 8, None), (64, 16, None), (50, 16, 7), (20, 64, None)]
+)
 def test_chunked_attention_matches_float64(causal_blocks, t, chunk, window):
     rs = np.random.RandomState(t + chunk)
     b, h, hkv, d = 2, 6, 2, 8

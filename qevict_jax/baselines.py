@@ -1,0 +1,378 @@
+"""Every eviction and quantization baseline as a small configuration or policy over the shared cache.
+
+One cache pytree (``tiered.TieredCache``) and one budget definition serve every method; a baseline picks a
+*layout* of that cache (``CacheConfig.layout``) and, for the per-head token pool, a scoring *policy*:
+
+- StreamingLLM: layout "local" (sinks + the largest recent region that fits the budget).
+- KIVI-2 / KIVI-4: layout "keep_all" (every 32-token window that leaves the 128-token full-precision residual
+  is quantized into the Q tier; nothing is evicted; the byte budget does not apply).
+- H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV, CriticalKV, ReST-KV: layout "pool": a pool of token slots
+  per layer and row, each slot owned by one KV head, so that heads keep different tokens (uniform,
+  layer-varying or head-adaptive budgets) and the memory is the pool itself. The policy's ``prefill_scores``
+  returns ``[B, Hkv, T]`` (higher = keep, kvpress-style); the shared ``tiered.select_pool`` does the top-k
+  and the gather. Prompt-based methods compress once after prefill (``static``), decode-time methods (H2O,
+  TOVA) re-rank every step.
+
+Question-agnostic mode (prompt-based pool methods): ``make_method(name, budget, question_agnostic=True)``;
+``init_cache(..., context_lengths=[B])`` marks where the question starts: only the context is scored and
+compressed, and the question tokens attend to the compressed context and are kept uncompressed (in the ring,
+which reserves ``question_capacity`` tokens for them).
+
+Layer-varying budgets (PyramidKV): the decoder scans over layers, so every layer's cache slice has the same
+shape. PyramidKV's pool is therefore sized for its *largest* layer (the per-layer counts are a static
+``Capacities.layer_caps``; smaller layers leave slots empty) and the budget solver charges the padded pool:
+at matched measured memory PyramidKV keeps fewer tokens on average than SnapKV (about 1/1.95 as many with
+beta = 20). Saving the padding needs per-group caches (a scan over groups of layers with different shapes),
+which the decoder does not offer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.model import LayerContext
+from qevict_jax.config import (
+    CacheConfig,
+    Capacities,
+    num_windows,
+    pyramid_layer_caps,
+    solve_local_capacities,
+    solve_pool_capacities,
+)
+from qevict_jax.methods import QEvict
+from qevict_jax.scoring import criticalkv_scores, observation_attention, restkv_scores, snapkv_scores
+from qevict_jax.tiered import TieredCache, init_cache, pool_decode_layer, pool_prefill_layer
+
+# ---------------------------------------------------------------------------------------------- window layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(QEvict):
+    """StreamingLLM: attention sinks + a sliding window of recent tokens.
+
+    Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453.
+    Parameters (``cache``): ``sink`` = 4 sink tokens; the recent region is as large as the byte budget allows
+    (``config.solve_local_capacities``); W = 1 and Ω = 1, so the oldest non-sink token leaves every step.
+    """
+
+    name: str = "streamingllm"
+    cache: CacheConfig = CacheConfig(sink=4, window=1, omega=1, q_frac=0.0, layout="local", recent=0)
+
+    def capacities(
+        self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
+    ) -> Capacities:
+        return solve_local_capacities(self.cache, model_cfg, batch, budget_tokens, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class KIVI(QEvict):
+    """KIVI: tuning-free asymmetric 2/4-bit KV quantization, nothing evicted.
+
+    Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv 2402.02750.
+    Parameters (``cache``): ``bits`` 2 or 4; group = ``window`` = 32 tokens (keys: one grid per channel over
+    the group; values: one grid per token); full-precision residual ``recent`` = 128 newest tokens; no sinks.
+    Every group leaving the residual is quantized into the Q tier (layout "keep_all"); the measured memory
+    is what it is (``uses_budget = False``). Deviations: keys are quantized pre-RoPE (KVQuant-style, the
+    shared ledger's format) where KIVI quantizes post-RoPE keys; a value grid spans one head's D channels
+    (KIVI: groups of 32 channels); the residual slides (R to R + Ω + W - 1 tokens, Ω = 8) where KIVI's
+    fills up to R and is then flushed.
+    """
+
+    name: str = "kivi2"
+    cache: CacheConfig = CacheConfig(
+        sink=0, window=32, recent=128, omega=8, q_frac=1.0, bits=2, layout="keep_all", promotion=False
+    )
+    uses_budget: ClassVar[bool] = False
+
+    def capacities(
+        self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
+    ) -> Capacities:
+        from qevict_jax.config import keep_all_capacities
+
+        return keep_all_capacities(
+            self.cache, num_windows(prompt_capacity + max_new_tokens, self.cache.sink, self.cache.window)
+        )
+
+
+# ---------------------------------------------------------------------------------------------- head pool
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolMethod:
+    """Shared base of the per-head token-pool baselines (layout "pool"): sizing, prefill, decode.
+
+    Subclasses implement ``prefill_scores`` (token scores [B, Hkv, T], higher = keep) and, for decode-time
+    eviction, ``decode_mass`` / ``update`` / ``candidate_score``. ``question_agnostic``: compress the context
+    only (see the module docstring).
+    """
+
+    name: str = "pool"
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
+    question_agnostic: bool = False
+    uses_budget: ClassVar[bool] = True
+    adaptive: ClassVar[bool] = False
+    alpha_safeguard: ClassVar[float] = 0.2
+
+    def capacities(
+        self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
+    ) -> Capacities:
+        """Static sizes: the pool gets what the budget leaves after sinks and ring (``solve_pool_capacities``)."""
+        selectable = prompt_capacity if self.cache.static else prompt_capacity + max_new_tokens
+        caps = solve_pool_capacities(
+            self.cache, model_cfg, batch, budget_tokens, dtype, max_new_tokens, selectable
+        )
+        prefix = max(1, budget_tokens - max_new_tokens - caps.recent - caps.sink)
+        layer_caps = self.layer_caps(caps.pool_per_head, model_cfg.num_layers, prefix)
+        return dataclasses.replace(caps, layer_caps=layer_caps)
+
+    def layer_caps(self, per_head: int, num_layers: int, prefix: int) -> tuple[int, ...]:
+        """Per-layer pool fill; () = every layer fills ``per_head`` slots per head."""
+        return ()
+
+    def init_cache(
+        self,
+        model_cfg: ModelConfig,
+        prompt_lengths: jax.Array,
+        prompt_capacity: int,
+        max_new_tokens: int,
+        dtype: Any,
+        budget_tokens: int,
+        context_lengths: jax.Array | None = None,
+    ) -> TieredCache:
+        """Empty stacked cache; ``context_lengths`` [B] (question-agnostic mode): where each question starts."""
+        if (context_lengths is not None) != self.question_agnostic:
+            raise ValueError(
+                f"{self.name}: context_lengths must be given exactly in question-agnostic mode "
+                f"(question_agnostic={self.question_agnostic})"
+            )
+        b = prompt_lengths.shape[0]
+        caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
+        return init_cache(caps, model_cfg, b, dtype, prompt_lengths, context_lengths)
+
+    def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
+        """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
+        return pool_prefill_layer(q, k, v, layer_cache, ctx, self, self.cache.prefill_chunk)
+
+    def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
+        """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
+        return pool_decode_layer(q, k, v, layer_cache, ctx, self)
+
+    def prefill_scores(self, q, k, v, positions, end, mass, ctx: LayerContext, caps: Capacities) -> jax.Array:
+        """Token scores [B, Hkv, T] from q [B, T, H, D], k, v [B, T, Hkv, D], the context end [B] and the
+        context's column mass [B, Hkv, G, T]."""
+        raise NotImplementedError
+
+    def decode_mass(self, probs: jax.Array) -> jax.Array:
+        """Per-head statistic of one decode query: probs [B, Hkv, G, N] -> [B, Hkv, N] (group mean)."""
+        return probs.mean(axis=2)
+
+    def slot_mass(self, own: jax.Array, per_head: int) -> jax.Array:
+        """Decode statistic of each pool slot from its owner head's group-mean attention own [B, NP]."""
+        return own
+
+    def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
+        """Running score after one decode step (cumulative)."""
+        return score + mass
+
+    def candidate_score(self, ring_score: jax.Array, k: jax.Array) -> jax.Array:
+        """Score [Hkv, K] of tokens leaving the recent region: ring_score [Hkv, K], k [Hkv, K, D]."""
+        return ring_score
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(PoolMethod):
+    """H2O: heavy hitters by cumulative attention + recent tokens, evicted at decode time.
+
+    Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs", arXiv 2306.14048.
+    Score of a token per KV head = attention it received from every query so far (prefill rows included),
+    mean over the group's query heads (GQA); ``recent`` = 0.5 of the budget's tokens (heavy = recent ratio);
+    token-level (W = 1), one eviction per decode step (Ω = 1), per-head selection.
+    """
+
+    name: str = "h2o"
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0.5, omega=1, q_frac=0.0, layout="pool")
+
+    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        return mass.mean(axis=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class TOVA(PoolMethod):
+    """TOVA: evict the token with the lowest attention from the current query, averaged over heads.
+
+    Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104. After the prompt the cache keeps the
+    tokens the last prompt query attends to most (head mean); at every decode step the score is replaced by
+    the current query's head-mean attention and the lowest token is dropped (Ω = 1, no recent region, no
+    sinks). All heads keep the same tokens (one head-averaged score, stored per KV head).
+    """
+
+    name: str = "tova"
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, omega=1, q_frac=0.0, layout="pool")
+
+    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        probs = observation_attention(q, k, end, 1, ctx.cfg.sliding_window)[:, :, :, 0]  # [B, Hkv, G, T]
+        return jnp.broadcast_to(probs.mean(axis=(1, 2))[:, None], (k.shape[0], k.shape[2], k.shape[1]))
+
+    def decode_mass(self, probs):  # ring slots: the same token for every head
+        return jnp.broadcast_to(probs.mean(axis=(1, 2))[:, None], probs.shape[:2] + probs.shape[3:])
+
+    def slot_mass(self, own, per_head):  # slot j of every head holds the same token: average across heads
+        b, n = own.shape
+        mean = own.reshape(b, n // per_head, per_head).mean(axis=1)
+        return jnp.tile(mean, (1, n // per_head))
+
+    def update(self, score, mass):
+        return mass
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyNorm(PoolMethod):
+    """Key-norm: keep the keys with the lowest L2 norm, per head, once after the prompt.
+
+    Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", arXiv
+    2406.11430 (kvpress ``KnormPress``). No sinks and no protected window: every prompt token competes.
+    """
+
+    name: str = "keynorm"
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, q_frac=0.0, layout="pool", static=True)
+
+    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        return -jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1)).swapaxes(1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(PoolMethod):
+    """SnapKV: observation-window attention, pooled, top-k per KV head, once after the prompt.
+
+    Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469.
+    n_obs: observation window (last prompt queries, kept in full as the recent region); kernel: average
+    pooling kernel. GQA-aware: scores are averaged over the query heads of each KV group.
+    """
+
+    name: str = "snapkv"
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
+    n_obs: int = 32
+    kernel: int = 5
+
+    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        return snapkv_scores(q, k, end, self.n_obs, self.kernel, ctx.cfg.sliding_window)
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """PyramidKV: SnapKV scores with layer-varying budgets (more tokens in lower layers).
+
+    Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", arXiv
+    2406.02069. beta: pyramid steepness (``config.pyramid_layer_caps``). The pool is sized for the largest
+    layer and charged in full (see the module docstring): the mean per-layer budget is the largest one whose
+    pyramid fits the pool.
+    """
+
+    name: str = "pyramidkv"
+    beta: float = 20.0
+
+    def layer_caps(self, per_head, num_layers, prefix):
+        for mean in range(per_head, 0, -1):
+            caps = pyramid_layer_caps(float(mean), num_layers, prefix, self.beta)
+            if max(caps) <= per_head:
+                return caps
+        return tuple(0 for _ in range(num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaKV(SnapKV):
+    """Ada-KV (Ada-SnapKV): SnapKV scores with head-adaptive budgets over a shared per-layer slot pool.
+
+    Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation", arXiv 2407.11550
+    (kvpress ``AdaKVPress``). The layer's ``Hkv * C`` slots go to the top scores over all heads, after each
+    head has secured its top ``int(alpha_safeguard * C)``; each slot records its owner head, attention reads
+    only a head's own slots (real per-head storage, no masking of a dense cache).
+    """
+
+    name: str = "adakv"
+    adaptive: ClassVar[bool] = True
+    alpha_safeguard: ClassVar[float] = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticalKV(SnapKV):
+    """CriticalKV over SnapKV: value-aware two-stage selection.
+
+    Feng et al., "Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective",
+    arXiv 2502.03805 (kvpress ``CriticalKVPress``). Stage 1 keeps each head's top
+    ``int(first_stage_ratio * C)`` tokens by SnapKV score; stage 2 ranks the rest by
+    ``(score + epsilon) * ||v W_O,h||_1`` (mean over the group's query heads), with the layer's real W_O
+    (``LayerContext.wo``).
+    """
+
+    name: str = "criticalkv"
+    first_stage_ratio: float = 0.5
+    epsilon: float = 1e-4
+
+    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        base = snapkv_scores(q, k, end, self.n_obs, self.kernel, ctx.cfg.sliding_window)
+        eligible = (positions >= caps.sink) & (positions < (end - caps.recent)[:, None])
+        return criticalkv_scores(
+            base, v, ctx.wo, eligible, caps.pool_per_head, self.first_stage_ratio, self.epsilon
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReSTKV(PoolMethod):
+    """ReST-KV: layer-wise output-reconstruction score with spatial-temporal smoothing.
+
+    An et al., "ReST-KV: Robust KV Cache Eviction with Layer-wise Output Reconstruction and Spatial-Temporal
+    Smoothing", arXiv 2605.08840 (reference code: ``restkv_utils.RestKVCluster``). EMA (alpha) over the
+    last ``n_obs`` prompt queries' attention rows, score ``a/(1-a) * ||W_O,h (o - v_j)||_2`` with the layer's
+    real W_O, adaptive-window average pooling (kernel >= ``kernel``, ``scale`` positions per kernel step),
+    GQA-aware (mean over the group), top-k per KV head once after the prompt.
+    """
+
+    name: str = "restkv"
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
+    n_obs: int = 32
+    alpha: float = 0.3
+    kernel: int = 5
+    scale: float = 200.0
+
+    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        return restkv_scores(
+            q,
+            k,
+            v,
+            end,
+            ctx.wo,
+            self.n_obs,
+            self.alpha,
+            ctx.cfg.sliding_window,
+            caps.pool_per_head,
+            self.kernel,
+            self.scale,
+        )
+
+
+BASELINES: dict[str, Any] = {
+    "streamingllm": StreamingLLM(),
+    "h2o": H2O(),
+    "tova": TOVA(),
+    "keynorm": KeyNorm(),
+    "snapkv": SnapKV(),
+    "pyramidkv": PyramidKV(),
+    "adakv": AdaKV(),
+    "criticalkv": CriticalKV(),
+    "restkv": ReSTKV(),
+    "kivi2": KIVI(),
+    "kivi4": KIVI(
+        name="kivi4",
+        cache=dataclasses.replace(KIVI().cache, bits=4),
+    ),
+}
+"""Default instance of every baseline (their ``cache`` carries the defaults; ``make_method`` sets β)."""
+
+PROMPT_METHODS = ("snapkv", "pyramidkv", "adakv", "criticalkv", "restkv", "keynorm")
+"""Methods that compress once after the prompt and support question-agnostic mode."""

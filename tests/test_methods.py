@@ -1,0 +1,86 @@
+"""Every registered method end to end on SmolLM2-135M: jitted generation, one compilation per bucket, finite
+cache, measured memory within the byte budget (KIVI: its expected keep-everything size)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qevict_jax import generate as gen
+from qevict_jax.generate import SamplerConfig, bucket_floor, bucket_length, generate
+from qevict_jax.kv import full_kv_bytes
+from qevict_jax.methods import _VARIANTS, available_methods, make_method
+
+BETA = 0.4
+NEW = 8
+PROMPT = 380  # a second prompt of 370 tokens falls in the same bucket
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    from models.checkpoint import load_model
+    from models.tokenizer import Tokenizer
+    from qevict_jax.needle import prose_paragraphs
+
+    _, model = load_model(smollm2_dir)
+    tok = Tokenizer.from_dir(smollm2_dir)
+    ids = tok.encode(" ".join(prose_paragraphs()[:40]))
+    assert len(ids) > PROMPT + 10
+    return model, ids
+
+
+def test_registry_lists_every_baseline():
+    names = available_methods()
+    for name in (
+        "full", "qevict", "qevict-restkv", "streamingllm", "h2o", "tova", "keynorm", "snapkv", "pyramidkv",
+        "adakv", "criticalkv", "restkv", "kivi2", "kivi4",
+    ):  # fmt: skip
+        assert name in names
+    assert len(set(names)) == len(names)
+    import qevict_jax
+
+    assert qevict_jax.available_methods() == names and qevict_jax.make_method is make_method
+
+
+def kivi_expected_bytes(cfg, caps, batch: int, itemsize: int) -> int:
+    """KIVI's cache: full-precision ring + every window's codes and f16 grids + per-slot metadata."""
+    L, hkv, d, w, bits = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, caps.window, caps.bits
+    ring = 2 * hkv * caps.ring * d * itemsize
+    per_window = (
+        hkv * (d * w * bits // 8 + 2 * d * 2 + w * d * bits // 8 + 2 * w * 2) + 4 + 1 + 4
+    )  # win, act, score
+    return L * batch * (ring + caps.nl * per_window)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", available_methods())
+def test_every_method_on_smollm2(smol, name):
+    model, ids = smol
+    cfg = model.cfg
+    kw = {"recent": 32} if name in _VARIANTS else {}
+    method = make_method(name) if name == "full" else make_method(name, BETA, **kw)
+    sampler = SamplerConfig(max_new_tokens=NEW)
+    assert bucket_length(PROMPT) == bucket_length(PROMPT - 10)
+    res = generate(model, [ids[:PROMPT]], sampler, method)
+    traces = dict(gen.TRACE_COUNTS)
+    res2 = generate(model, [ids[7 : 7 + PROMPT - 10]], sampler, method)
+    assert dict(gen.TRACE_COUNTS) == traces, "a same-bucket prompt compiled again"
+    assert len(res.tokens[0]) == NEW and len(res2.tokens[0]) == NEW
+    for leaf in jax.tree.leaves(res.cache):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert np.isfinite(np.asarray(leaf, np.float32)).all()
+    dtype = model.dtype
+    if getattr(method, "uses_budget", False):
+        budget_tokens = bucket_floor(PROMPT) + NEW
+        assert res.cache_bytes <= BETA * full_kv_bytes(cfg, budget_tokens, dtype)
+        assert res.memory_ratio < 1.0  # compresses something
+    elif name.startswith("kivi"):
+        caps = res.cache.caps
+        assert caps.nf == 0 and caps.nl == caps.nq  # nothing evicted, every window has a Q slot
+        assert int(np.asarray(res.cache.evictions).sum()) == 0
+        expected = kivi_expected_bytes(cfg, caps, 1, jnp.dtype(dtype).itemsize)
+        counters = 4 * (8 + caps.ring_windows)  # per layer: 8 int32 counters, ring window scores
+        assert res.cache_bytes - expected == counters * cfg.num_layers
+    print(f"\n{name}: measured memory ratio {res.memory_ratio:.4f} ({res.cache_bytes} bytes)")
