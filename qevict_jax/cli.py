@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path)
     src.add_argument("--prompt", help="prompt text")
+    p.add_argument(
+        "--question",
+        help="question appended after the prompt (kept uncompressed by question-agnostic methods)",
+    )
+    p.add_argument(
+        "--question-agnostic", action="store_true", help="compress the context before the question"
+    )
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     _add_method_args(p)
     _add_sampler_args(p, 64)
@@ -110,18 +117,37 @@ def _routing_stats(cache) -> dict:
     return {"routing_events": zeros, "promotions": zeros, "demotions": zeros, "evictions": zeros}
 
 
+def _encode_prompt(tok, context: str, question: str | None, chat: bool) -> tuple[list[int], int]:
+    """Token ids of the prompt (context, then the question if any, in the chat template when ``chat``) and
+    the index of the first question token (the prompt length when there is no question)."""
+    user = context if question is None else f"{context}\n\n{question}"
+    if chat and tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+    else:
+        text = user
+    ids = tok.encode(text)
+    if question is None:
+        return ids, len(ids)
+    head = tok.encode(text[: text.index(user) + len(context)])
+    if ids[: len(head)] != head:
+        raise ValueError("could not split the prompt into context and question tokens")
+    return ids, len(head)
+
+
 def cmd_generate(args) -> int:
     from qevict_jax.generate import SamplerConfig, generate
     from qevict_jax.methods import make_method
 
-    method = make_method(args.method, args.budget)
+    method = make_method(
+        args.method, args.budget, **({"question_agnostic": True} if args.question_agnostic else {})
+    )
+    if args.question_agnostic and not args.question:
+        raise ValueError("--question-agnostic needs --question (the part of the prompt kept uncompressed)")
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     cfg, model, tok = _load(args)
-    if not args.no_chat and tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    ids = tok.encode(text)
+    ids, question_start = _encode_prompt(tok, text, args.question, chat=not args.no_chat)
     sampler = SamplerConfig(args.max_new_tokens, args.temperature, args.top_p, _eos_ids(cfg, tok))
-    res = generate(model, [ids], sampler, method, seed=args.seed)
+    res = generate(model, [ids], sampler, method, seed=args.seed, question_starts=[question_start])
     out = tok.decode(res.tokens[0])
     record = {
         "text": out,

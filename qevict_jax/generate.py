@@ -101,26 +101,48 @@ def sample(logits: jax.Array, rng: jax.Array, sampler: SamplerConfig) -> jax.Arr
 
 
 def _prefill_logits(
-    model: Transformer, tokens, lengths, method: KVMethod, max_new_tokens: int, budget_tokens: int
+    model: Transformer,
+    tokens,
+    lengths,
+    method: KVMethod,
+    max_new_tokens: int,
+    budget_tokens: int,
+    context_lengths,
 ):
-    """tokens [B, P] right-padded, lengths [B] -> (logits at each row's last prompt token [B, V], cache)."""
+    """tokens [B, P] right-padded, lengths [B] -> (logits at each row's last prompt token [B, V], cache).
+
+    context_lengths [B] (question-agnostic methods only, else None): where each row's question starts.
+    """
     b, p = tokens.shape
-    cache = method.init_cache(model.cfg, lengths, p, max_new_tokens, model.dtype, budget_tokens)
+    extra = {} if context_lengths is None else {"context_lengths": context_lengths}
+    cache = method.init_cache(model.cfg, lengths, p, max_new_tokens, model.dtype, budget_tokens, **extra)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     return model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
 
 
 def _prefill(
-    graphdef, state, tokens, lengths, rng, method: KVMethod, sampler: SamplerConfig, budget_tokens: int
+    graphdef,
+    state,
+    tokens,
+    lengths,
+    rng,
+    method: KVMethod,
+    sampler: SamplerConfig,
+    budget_tokens: int,
+    ctx_lens,
 ):
     """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache)."""
     TRACE_COUNTS["prefill"] += 1
     model: Transformer = nnx.merge(graphdef, state)
-    logits, cache = _prefill_logits(model, tokens, lengths, method, sampler.max_new_tokens, budget_tokens)
+    logits, cache = _prefill_logits(
+        model, tokens, lengths, method, sampler.max_new_tokens, budget_tokens, ctx_lens
+    )
     return sample(logits, rng, sampler), cache
 
 
-def _teacher_forced(graphdef, state, tokens, lengths, targets, method: KVMethod, budget_tokens: int):
+def _teacher_forced(
+    graphdef, state, tokens, lengths, targets, method: KVMethod, budget_tokens: int, ctx_lens
+):
     """Prefill, then feed ``targets`` [B, T] one token per step (teacher forcing).
 
     Returns (log-probabilities [B, T, V] of each target position given everything before it, cache).
@@ -128,7 +150,7 @@ def _teacher_forced(graphdef, state, tokens, lengths, targets, method: KVMethod,
     TRACE_COUNTS["teacher_forced"] += 1
     model: Transformer = nnx.merge(graphdef, state)
     t = targets.shape[1]
-    logits0, cache = _prefill_logits(model, tokens, lengths, method, t, budget_tokens)
+    logits0, cache = _prefill_logits(model, tokens, lengths, method, t, budget_tokens, ctx_lens)
 
     def body(cache, xs):
         token, step = xs
@@ -232,12 +254,15 @@ def generate(
     method: KVMethod | None = None,
     seed: int = 0,
     budget_rounding: str = "bucket",
+    question_starts: Sequence[int] | None = None,
 ) -> GenerationResult:
     """Generate for a batch of token prompts of different lengths.
 
     budget_rounding: "bucket" sizes a budgeted cache for the shortest prompt of the length bucket (one
     compilation per bucket, the budget holds for every prompt in it); "exact" sizes it for the shortest
     prompt of this batch (may compile once per distinct length).
+    question_starts: per prompt, the index of its first question token; required by question-agnostic
+    methods (the context before it is compressed, the question kept), ignored by the others.
     """
     method = method or FullKV()
     cfg = model.cfg
@@ -261,6 +286,7 @@ def generate(
         method,
         sampler,
         budget_tokens,
+        _context_lengths(method, prompts, question_starts),
     )
     first.block_until_ready()
     t1 = time.perf_counter()
@@ -293,6 +319,25 @@ def generate(
         cache_bytes=cache_nbytes(cache),
         full_kv_bytes=full_kv_bytes(cfg, final_tokens, dtype),
     )
+
+
+def _context_lengths(
+    method: KVMethod, prompts: Sequence[Sequence[int]], question_starts: Sequence[int] | None
+) -> jax.Array | None:
+    """[B] int32 question starts for a question-agnostic method (checked), else None."""
+    if not getattr(method, "question_agnostic", False):
+        return None
+    if question_starts is None or len(question_starts) != len(prompts):
+        raise ValueError(f"{method.name} is question-agnostic: give question_starts, one per prompt")
+    capacity = method.cache.question_capacity
+    for i, (p, qs) in enumerate(zip(prompts, question_starts, strict=True)):
+        if not 0 < qs <= len(p):
+            raise ValueError(f"prompt {i}: question start {qs} is outside (0, {len(p)}]")
+        if len(p) - qs > capacity:
+            raise ValueError(
+                f"prompt {i}: the question has {len(p) - qs} tokens, more than the {capacity} the cache reserves"
+            )
+    return jnp.asarray(question_starts, jnp.int32)
 
 
 def _budget_tokens(method: KVMethod, lengths: np.ndarray, max_new_tokens: int, budget_rounding: str) -> int:
@@ -332,6 +377,7 @@ def teacher_forced(
     targets: np.ndarray,
     method: KVMethod | None = None,
     budget_rounding: str = "bucket",
+    question_starts: Sequence[int] | None = None,
 ) -> TeacherForcedResult:
     """Log-probabilities of the next token at every position of ``targets`` [B, T] after each prompt.
 
@@ -346,7 +392,9 @@ def teacher_forced(
     tokens, lengths = _pad_prompts(prompts)
     budget_tokens = _budget_tokens(method, lengths, targets.shape[1], budget_rounding)
     graphdef, state = nnx.split(model)
-    logprobs, cache = _teacher_forced_jit(
+    (logprobs, cache), _ = _run_compiled(
+        _teacher_forced_jit,
+        {0: graphdef, 5: method, 6: budget_tokens},
         graphdef,
         state,
         jnp.asarray(tokens),
@@ -354,6 +402,7 @@ def teacher_forced(
         jnp.asarray(targets),
         method,
         budget_tokens,
+        _context_lengths(method, prompts, question_starts),
     )
     final_tokens = int(lengths.sum()) + len(prompts) * (targets.shape[1] - 1)
     return TeacherForcedResult(

@@ -160,3 +160,26 @@ def test_teacher_forced_logprobs_equal_uncached_forward(model):
     ref, _ = model(jnp.asarray(seq)[None], jnp.arange(len(seq))[None])
     ref = jax.nn.log_softmax(ref[0, len(prompt) - 1 : -1], axis=-1)
     np.testing.assert_allclose(res.logprobs[0], ref, atol=2e-5)
+
+
+def test_question_agnostic_generation_keeps_the_question(model):
+    """Question-agnostic SnapKV needs the question start; with a budget that keeps the whole context it
+    generates exactly what Full-KV does (nothing was evicted, the question is stored uncompressed)."""
+    from dataclasses import replace
+
+    from flax import nnx
+
+    from qevict_jax.methods import make_method
+
+    cfg = replace(TINY, max_position_embeddings=2048)
+    m = Transformer(cfg, rngs=nnx.Rngs(3))
+    rs = np.random.RandomState(7)
+    prompt = list(rs.randint(0, cfg.vocab_size, 300))
+    sampler = SamplerConfig(max_new_tokens=6)
+    method = make_method("snapkv", 4.0, question_agnostic=True)
+    with pytest.raises(ValueError, match="question_starts"):
+        generate(m, [prompt], sampler, method)
+    with pytest.raises(ValueError, match="outside"):
+        generate(m, [prompt], sampler, method, question_starts=[301])
+    res = generate(m, [prompt], sampler, method, question_starts=[280])
+    assert res.tokens == generate(m, [prompt], sampler).tokens
