@@ -44,6 +44,8 @@ class CacheConfig:
     dormant_reserve: ledger slots reserved for dormant copies of promoted windows, as a fraction of NF
         (capped at half the ledger); ignored without promotion.
     prefill_chunk: query chunk of the prefill attention.
+    kernel: decode attention of the tiered layout through the Pallas kernels (``pallas_kernels``): None =
+        only on a GPU, True = always (interpret mode off a GPU: slow, for tests), False = jnp reference.
     layout: which tiers hold the history (one cache pytree, ``tiered.TieredCache``, for every layout):
         "tiered": F + Q windows (QEvict, R1-R4); "pool": a per-KV-head token pool (W = 1; each slot records
         its owner KV head; the eviction baselines); "local": sinks + recent region only, the recent region
@@ -70,6 +72,7 @@ class CacheConfig:
     dormant_reserve: float = 0.5
     prefill_chunk: int = 512
     layout: str = "tiered"
+    kernel: bool | None = None
     static: bool = False
     question_capacity: int = 0
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.model import LayerContext
+from pallas_kernels.dispatch import use_pallas
 from qevict_jax.config import CacheConfig, Capacities, num_windows, solve_capacities
 from qevict_jax.kv import FullKV, KVMethod
 from qevict_jax.scoring import Ranking
@@ -80,7 +81,9 @@ class QEvict:
 
     def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
-        return decode_layer(q, k, v, layer_cache, ctx, self.ranking, self.cache.promotion)
+        return decode_layer(
+            q, k, v, layer_cache, ctx, self.ranking, self.cache.promotion, use_pallas(self.cache.kernel)
+        )
 
 
 _VARIANTS: dict[str, dict[str, Any]] = {

@@ -356,6 +356,42 @@ def tier_attention(
     )
 
 
+def kernel_tier_attention(
+    q: jax.Array, cache: TieredCache, q_pos: jax.Array, inv_freq: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``tier_attention`` through the Pallas kernels (compiled on a GPU, interpreted elsewhere).
+
+    q [B, Hkv, G, D] -> (out [B, Hkv, G, D] f32, head-mean masses per F slot [B, NF], per ledger slot
+    [B, NL], per ring token [B, RING]). No sliding window.
+    """
+    from pallas_kernels.fused_attention import fused_attention
+
+    caps = cache.caps
+    s, w = caps.sink, caps.window
+    sink_valid = jnp.arange(s, dtype=jnp.int32)[None] <= q_pos[:, None]
+    loc_pos = ring_positions(cache.length, caps)
+    loc_pos = jnp.where(ring_valid(cache.length, cache.next_win, caps), loc_pos, -1)
+    att = fused_attention(
+        q,
+        cache.sink_k,
+        cache.sink_v,
+        sink_valid,
+        cache.fp_k,
+        cache.fp_v,
+        cache.fp_win >= 0,
+        *(getattr(cache, n) for n in LEDGER_FIELDS),
+        s + cache.led_win * w,
+        cache.led_active,
+        inv_freq,
+        cache.local_k,
+        cache.local_v,
+        loc_pos,
+        window=w,
+        bits=caps.bits,
+    )
+    return att.out, att.fp_mass, att.q_mass, att.local_mass
+
+
 def decode_layer(
     q: jax.Array,
     k: jax.Array,
@@ -364,12 +400,15 @@ def decode_layer(
     ctx: LayerContext,
     ranking: Ranking,
     promotion: bool,
+    use_kernel: bool = False,
 ) -> tuple[jax.Array, TieredCache]:
     """One decode step of one layer: q [B, 1, H, D], k, v [B, 1, Hkv, D] post-RoPE -> (out [B, 1, H, D],
     cache).
 
     Writes the token into the sink or the ring, attends over all tiers, adds the head-mean window masses
-    to the scores, and every Ω steps routes (``lax.cond``).
+    to the scores, and every Ω steps routes (``lax.cond``). ``use_kernel``: attend with the Pallas kernels
+    (``pallas_kernels.fused_attention``) instead of the jnp reference (not with a sliding window, whose
+    token-level masks the kernels do not take).
     """
     caps = cache.caps
     s, w = caps.sink, caps.window
@@ -391,10 +430,15 @@ def decode_layer(
         length=pos + 1,
     )
     qg = q[:, 0].reshape(b, hkv, h // hkv, d)
-    att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window)
-    fp_mass = att.fp.mean(axis=(1, 2)).sum(-1)  # [B, NF]
-    led_mass = att.led.mean(axis=(1, 2))  # [B, NL]
-    loc_mass = att.local.mean(axis=(1, 2)).reshape(b, caps.ring_windows, w).sum(-1)  # [B, RW]
+    if use_kernel and ctx.cfg.sliding_window is None:
+        out, fp_mass, led_mass, loc_tok = kernel_tier_attention(qg, cache, pos, ctx.inv_freq)
+    else:
+        att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window)
+        out = att.out
+        fp_mass = att.fp.mean(axis=(1, 2)).sum(-1)  # [B, NF]
+        led_mass = att.led.mean(axis=(1, 2))  # [B, NL]
+        loc_tok = att.local.mean(axis=(1, 2))  # [B, RING]
+    loc_mass = loc_tok.reshape(b, caps.ring_windows, w).sum(-1)  # [B, RW]
     cache = cache.replace(
         fp_score=ranking.update(cache.fp_score, fp_mass),
         led_score=ranking.update(cache.led_score, led_mass),
@@ -404,8 +448,7 @@ def decode_layer(
     due = jnp.mod(cache.steps[0], caps.omega) == 0
     route = jax.vmap(lambda row: route_row(row, ctx.inv_freq, ranking, promotion))
     cache = jax.lax.cond(due, route, lambda c: c, cache)
-    out = att.out.reshape(b, 1, h, d).astype(q.dtype)
-    return out, cache
+    return out.reshape(b, 1, h, d).astype(q.dtype), cache
 
 
 # ---------------------------------------------------------------------------------------------- head pool
