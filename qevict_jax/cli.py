@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--question-agnostic", action="store_true", help="compress the context before the question"
     )
+    p.add_argument(
+        "--kernel",
+        action="store_true",
+        help="force the Pallas decode-attention kernels (interpret mode off GPU)",
+    )
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     _add_method_args(p)
     _add_sampler_args(p, 64)
@@ -138,9 +143,10 @@ def cmd_generate(args) -> int:
     from qevict_jax.generate import SamplerConfig, generate
     from qevict_jax.methods import make_method
 
-    method = make_method(
-        args.method, args.budget, **({"question_agnostic": True} if args.question_agnostic else {})
-    )
+    opts = {"question_agnostic": True} if args.question_agnostic else {}
+    if args.kernel:
+        opts["kernel"] = True
+    method = make_method(args.method, args.budget, **opts)
     if args.question_agnostic and not args.question:
         raise ValueError("--question-agnostic needs --question (the part of the prompt kept uncompressed)")
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
