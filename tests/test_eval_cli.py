@@ -161,3 +161,16 @@ def test_fidelity_sweep_full_is_exact(tmp_path, model):
         assert r["kl"] == 0.0 and r["top1"] == 1.0 and r["score"] == 100.0 and r["ppl_change"] == 0.0
         assert r["prompt_tokens"] == 200 and r["targets"] == 6 and r["ppl"] > 1
     assert "top-1 agreement (%)" in (tmp_path / "summary.md").read_text()
+
+
+def test_infeasible_budget_is_refused_before_any_sample(tmp_path, model):
+    """A budget that cannot hold sink + recent + one window fails up front, naming the minimum β, and
+    nothing has been computed or written."""
+    out = tmp_path / "infeasible"
+    a = args_for(
+        "ruler", "--lengths", "700", "--samples", "2", "--methods", "full,qevict", "--budgets", "0.01",
+        "--out", str(out), "--no-progress",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"qevict \(β=0.01\).*beta >= "):
+        run_eval(a, model, TOK, (EOS,), log=lambda m: None)
+    assert not (out / "results.jsonl").exists() or (out / "results.jsonl").read_text() == ""

@@ -138,7 +138,7 @@ def run_eval(
     log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Run the sweep that ``args`` describes with a loaded model; print and return the records."""
-    from qevict_jax.eval.harness import FidelityHarness, GenerationHarness, resolve_methods
+    from qevict_jax.eval.harness import FidelityHarness, GenerationHarness, check_feasible, resolve_methods
     from qevict_jax.eval.sweep import check_config, expand_jobs, run_sweep, write_summary
 
     log = log or (lambda m: print(m, file=sys.stderr))
@@ -154,6 +154,8 @@ def run_eval(
         extra, score_name = ("kl", "ppl_change"), "top-1 agreement (%)"
     else:
         tasks, prepare, samples = _generation_setup(args, tokenizer)
+        if generate_fn is None:  # the real generate sizes caches: refuse infeasible budgets up front
+            check_feasible(model, methods, [prepare(t, n, 0) for t in tasks for n in lengths])
         harness = GenerationHarness(model, tokenizer, methods, prepare, eos_ids, args.seed, generate_fn)
         jobs = expand_jobs(tasks, list(methods), lengths, samples)
         extra, score_name = (), "score"

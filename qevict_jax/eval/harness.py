@@ -39,14 +39,9 @@ def resolve_methods(
 
     A method without a ``budget`` attribute (Full-KV, fixed-bit quantization) appears once, with budget None.
     """
-    try:
-        from qevict_jax.methods import available_methods, make_method
-    except ImportError:  # the method registry is not there yet: Full-KV only
-        from qevict_jax.kv import FullKV
+    from qevict_jax.methods import available_methods, make_method
 
-        available, make_method = ["full"], lambda name, budget: FullKV()
-    else:
-        available = available_methods()
+    available = available_methods()
     methods: dict[tuple[str, float | None], Any] = {}
     for name in names:
         if name not in available:
@@ -58,6 +53,36 @@ def resolve_methods(
     if not methods:
         raise ValueError(f"none of the methods {', '.join(names)} is available")
     return methods
+
+
+def check_feasible(
+    model, methods: Mapping[tuple[str, float | None], Any], prompts: Sequence[Prepared]
+) -> None:
+    """Size every method's cache for every planned prompt shape without computing anything
+    (``jax.eval_shape``); raise one ValueError listing every infeasible (method, budget, prompt length)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qevict_jax.generate import _budget_tokens, bucket_length
+
+    problems = []
+    for (name, budget), method in methods.items():
+        for p in prompts:
+            n = len(p.ids)
+            lengths = jnp.asarray([n], jnp.int32)
+            tokens = _budget_tokens(method, lengths, p.max_new_tokens, "bucket")
+
+            def init(method=method, lengths=lengths, n=n, p=p, tokens=tokens):
+                return method.init_cache(
+                    model.cfg, lengths, bucket_length(n), p.max_new_tokens, model.dtype, tokens
+                )
+
+            try:
+                jax.eval_shape(init)
+            except ValueError as err:
+                problems.append(f"{name} (β={budget}) at a {n}-token prompt: {err}")
+    if problems:
+        raise ValueError("some configurations cannot run:\n  " + "\n  ".join(problems))
 
 
 def method_budget(method: Any, requested: float | None = None) -> float | None:
