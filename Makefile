@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_METHODS ?= full,streamingllm,h2o,snapkv,kivi2,r2,qevict
+DEMO_LENGTHS ?= 2048,4096
+DEMO_SAMPLES ?= 2
 
 .PHONY: demo test lint bench-decode install clean
 
@@ -16,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/qevict needle --methods full --context-tokens 4000 --samples 1 --max-new-tokens 16
+	$(VENV)/bin/qevict eval ruler --tasks niah_single_1 --lengths $(DEMO_LENGTHS) --methods $(DEMO_METHODS) --budgets 0.2 --samples $(DEMO_SAMPLES) --out runs/demo --no-progress
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check qevict_jax pallas_kernels models tests bench
