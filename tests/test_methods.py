@@ -84,3 +84,28 @@ def test_every_method_on_smollm2(smol, name):
         counters = 4 * (8 + caps.ring_windows)  # per layer: 8 int32 counters, ring window scores
         assert res.cache_bytes - expected == counters * cfg.num_layers
     print(f"\n{name}: measured memory ratio {res.memory_ratio:.4f} ({res.cache_bytes} bytes)")
+
+
+@pytest.mark.parametrize("name", [m for m in available_methods() if not m.startswith("kivi")])
+def test_every_method_with_room_for_everything_equals_full_kv(name):
+    """With a budget that holds the whole sequence, no method may change the model's predictions: the
+    teacher-forced log-probabilities equal Full-KV's (KIVI quantizes regardless of budget: excluded)."""
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.model import Transformer
+    from qevict_jax.generate import teacher_forced
+
+    cfg = ModelConfig(
+        family="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,
+        num_kv_heads=2, head_dim=8, max_position_embeddings=2048,
+    )  # fmt: skip
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
+    rs = np.random.RandomState(0)
+    prompt = list(rs.randint(0, cfg.vocab_size, 300))
+    targets = rs.randint(0, cfg.vocab_size, (1, 6))
+    ref = teacher_forced(model, [prompt], targets).logprobs
+    got = teacher_forced(model, [prompt], targets, make_method(name, 3.0)).logprobs
+    np.testing.assert_allclose(got, ref, atol=1e-4)
