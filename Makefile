@@ -3,9 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_METHODS ?= full,streamingllm,h2o,snapkv,kivi2,r2,qevict
-DEMO_LENGTHS ?= 2048,4096
-DEMO_SAMPLES ?= 2
+DEMO_TASKS ?= niah_single_2
+DEMO_METHODS ?= full,streamingllm,snapkv,adakv,r2,qevict
+DEMO_QA_METHODS ?= snapkv,qevict
+DEMO_LENGTHS ?= 2048
+DEMO_BUDGETS ?= 0.2
+DEMO_SAMPLES ?= 10
+DEMO_ARGS = --tasks $(DEMO_TASKS) --lengths $(DEMO_LENGTHS) --budgets $(DEMO_BUDGETS) --samples $(DEMO_SAMPLES) --max-new-tokens 32
 
 .PHONY: demo test lint bench-decode install clean
 
@@ -18,8 +22,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# RULER needles at matched measured memory: question-aware (the question is in the prompt that is compressed)
+# and question-agnostic (the context is compressed first, then the question appended), one table and plot.
 demo: $(STAMP)
-	$(VENV)/bin/qevict eval ruler --tasks niah_single_1 --lengths $(DEMO_LENGTHS) --methods $(DEMO_METHODS) --budgets 0.2 --samples $(DEMO_SAMPLES) --out runs/demo --no-progress
+	$(VENV)/bin/qevict eval ruler $(DEMO_ARGS) --methods $(DEMO_METHODS) --out runs/demo/aware
+	$(VENV)/bin/qevict eval ruler $(DEMO_ARGS) --methods $(DEMO_QA_METHODS) --question-agnostic --out runs/demo/agnostic
+	$(VENV)/bin/qevict eval report runs/demo/aware runs/demo/agnostic:q-agnostic --out runs/demo
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check qevict_jax pallas_kernels models tests bench

@@ -28,11 +28,8 @@ def routing_seconds(cache, model, method, repeats: int = 5) -> float:
     import jax
     import jax.numpy as jnp
 
-    from qevict_jax.routing import route_row
-
     inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
-    ranking, promotion = method.ranking, method.cache.promotion
-    route = jax.jit(jax.vmap(jax.vmap(lambda row: route_row(row, inv_freq, ranking, promotion))))
+    route = jax.jit(lambda c: method.route(c, inv_freq))
     jax.block_until_ready(route(cache))
     times = []
     for _ in range(repeats):

@@ -126,6 +126,22 @@ def chunked_attention(
     return out.astype(q.dtype), mass
 
 
+def prompt_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    lengths: jax.Array,
+    sliding_window: int | None = None,
+    chunk: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of a right-padded prompt: q [B, T, H, D], k, v [B, T, Hkv, D] at positions [B, T],
+    row b valid below lengths[b]. Returns (out [B, T, H, D], column mass [B, Hkv, G, T] of valid queries)."""
+    valid = positions < lengths[:, None]
+    k_pos = jnp.where(valid, positions, -1)
+    return chunked_attention(q, k, v, positions, k_pos, sliding_window, chunk, q_valid=valid)
+
+
 def _scan_chunked_attention(q, k, v, q_pos, k_pos, sliding_window, chunk, q_valid):
     """General chunked attention (any query/key positions): a ``lax.scan`` over query chunks."""
     b, tq, h, d = q.shape

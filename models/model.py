@@ -31,6 +31,8 @@ class LayerContext:
     inv_freq: [D/2] float32 RoPE inverse frequencies (to un-rotate / re-rotate keys).
     cfg: the static model config.
     wo: [H*D, Dm] the layer's output projection (value-aware scoring: CriticalKV, ReST-KV), or None.
+    prompt_attention: (out [B, T, H, D], column mass [B, Hkv, G, T]) of the prompt pass when a shared
+        prefill already computed it (several methods' caches from one pass), else None.
     """
 
     positions: jax.Array
@@ -38,6 +40,7 @@ class LayerContext:
     inv_freq: jax.Array
     cfg: ModelConfig
     wo: jax.Array | None = None
+    prompt_attention: tuple[jax.Array, jax.Array] | None = None
 
 
 # (q [B,T,H,D] post-RoPE, k [B,T,Hkv,D] post-RoPE, v [B,T,Hkv,D], layer_cache, ctx) -> (out [B,T,H,D], cache)

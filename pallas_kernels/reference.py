@@ -16,10 +16,24 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from models.attention import NEG_INF, apply_rope
+from models.attention import NEG_INF
 from qevict_jax.quant import dequantize_keys, dequantize_values
 
 Partial = tuple[jax.Array, jax.Array, jax.Array]  # (out [B, Hkv, G, D] f32, m [B, Hkv, G], l [B, Hkv, G])
+
+
+def window_rope_tables(starts: jax.Array, window: int, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [..., W, D/2] of RoPE angles at positions ``starts [...] + 0..W-1``, by angle addition from
+    the angles of the window starts and of the offsets: 2 (N + W) D/2 transcendentals instead of N W D/2.
+    The four small tables are materialized (``optimization_barrier``) so that XLA does not recompute them
+    inside every fused consumer."""
+    ang_s = starts.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [..., D/2]
+    ang_o = jnp.arange(window, dtype=jnp.float32)[:, None] * inv_freq.astype(jnp.float32)  # [W, D/2]
+    cs, ss, co, so = jax.lax.optimization_barrier(
+        (jnp.cos(ang_s), jnp.sin(ang_s), jnp.cos(ang_o), jnp.sin(ang_o))
+    )
+    cs, ss = cs[..., None, :], ss[..., None, :]
+    return cs * co - ss * so, ss * co + cs * so
 
 
 def ledger_attention_reference(
@@ -58,13 +72,13 @@ def ledger_attention_reference(
       slot_mass: [B, Hkv, G, NL] per-slot ``sum exp(s - m)`` (0 for invalid slots).
     """
     b, hkv, g, d = q.shape
-    nl = kc.shape[2]
     k = dequantize_keys(kc, ks, kz, bits)  # [B, Hkv, NL, W, D]
     v = dequantize_values(vc, vs, vz, bits)  # [B, Hkv, NL, W, D]
-    pos = slot_start[:, :, None] + jnp.arange(window, dtype=jnp.int32)  # [B, NL, W]
-    k_tok = k.transpose(0, 2, 3, 1, 4).reshape(b, nl * window, hkv, d)  # [B, NL*W, Hkv, D]
-    k_rot = apply_rope(k_tok, pos.reshape(b, nl * window), inv_freq)
-    k_rot = k_rot.reshape(b, nl, window, hkv, d).transpose(0, 3, 1, 2, 4)  # [B, Hkv, NL, W, D]
+    cos, sin = window_rope_tables(slot_start, window, inv_freq)  # [B, NL, W, D/2]
+    half = d // 2
+    k1, k2 = k[..., :half], k[..., half:]
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, NL, W, D/2]
+    k_rot = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)  # [B, Hkv, NL, W, D]
     qs = q.astype(jnp.float32) * d**-0.5
     s = jnp.einsum("bkgd,bkntd->bkgnt", qs, k_rot)
     mask = slot_valid[:, None, None, :, None]

@@ -13,10 +13,9 @@ One cache pytree (``tiered.TieredCache``) and one budget definition serve every 
   and the gather. Prompt-based methods compress once after prefill (``static``), decode-time methods (H2O,
   TOVA) re-rank every step.
 
-Question-agnostic mode (prompt-based pool methods): ``make_method(name, budget, question_agnostic=True)``;
-``init_cache(..., context_lengths=[B])`` marks where the question starts: only the context is scored and
-compressed, and the question tokens attend to the compressed context and are kept uncompressed (in the ring,
-which reserves ``question_capacity`` tokens for them).
+Question-agnostic mode and later turns are the same for every method (``generate(question_starts=...)``,
+``generate(past=...)``): the appended tokens go through the method's decode step, so a compress-once pool
+keeps them uncompressed in its ring (sized for every token after the prompt).
 
 Layer-varying budgets (PyramidKV): the decoder scans over layers, so every layer's cache slice has the same
 shape. PyramidKV's pool is therefore sized for its *largest* layer (the per-layer counts are a static
@@ -39,14 +38,15 @@ from models.model import LayerContext
 from qevict_jax.config import (
     CacheConfig,
     Capacities,
+    keep_all_capacities,
     num_windows,
     pyramid_layer_caps,
     solve_local_capacities,
     solve_pool_capacities,
 )
-from qevict_jax.methods import QEvict
+from qevict_jax.qevict import QEvict
 from qevict_jax.scoring import criticalkv_scores, observation_attention, restkv_scores, snapkv_scores
-from qevict_jax.tiered import TieredCache, init_cache, pool_decode_layer, pool_prefill_layer
+from qevict_jax.tiered import TieredCache, init_cache, pool_decode_layer, pool_prefill_layer, route_pool_row
 
 # ---------------------------------------------------------------------------------------------- window layouts
 
@@ -62,6 +62,8 @@ class StreamingLLM(QEvict):
 
     name: str = "streamingllm"
     cache: CacheConfig = CacheConfig(sink=4, window=1, omega=1, q_frac=0.0, layout="local", recent=0)
+    options: ClassVar[tuple[str, ...]] = ("sink", "prefill_chunk", "budget_bytes")
+    protects_recent: ClassVar[bool] = False
 
     def capacities(
         self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
@@ -88,12 +90,12 @@ class KIVI(QEvict):
         sink=0, window=32, recent=128, omega=8, q_frac=1.0, bits=2, layout="keep_all", promotion=False
     )
     uses_budget: ClassVar[bool] = False
+    options: ClassVar[tuple[str, ...]] = ("bits", "window", "recent", "prefill_chunk")
+    protects_recent: ClassVar[bool] = False
 
     def capacities(
         self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
     ) -> Capacities:
-        from qevict_jax.config import keep_all_capacities
-
         return keep_all_capacities(
             self.cache, num_windows(prompt_capacity + max_new_tokens, self.cache.sink, self.cache.window)
         )
@@ -107,14 +109,14 @@ class PoolMethod:
     """Shared base of the per-head token-pool baselines (layout "pool"): sizing, prefill, decode.
 
     Subclasses implement ``prefill_scores`` (token scores [B, Hkv, T], higher = keep) and, for decode-time
-    eviction, ``decode_mass`` / ``update`` / ``candidate_score``. ``question_agnostic``: compress the context
-    only (see the module docstring).
+    eviction, ``decode_mass`` / ``update`` / ``candidate_score``.
     """
 
     name: str = "pool"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
-    question_agnostic: bool = False
     uses_budget: ClassVar[bool] = True
+    options: ClassVar[tuple[str, ...]] = ("sink", "recent", "prefill_chunk", "budget_bytes")
+    protects_recent: ClassVar[bool] = False
     adaptive: ClassVar[bool] = False
     alpha_safeguard: ClassVar[float] = 0.2
 
@@ -142,17 +144,32 @@ class PoolMethod:
         max_new_tokens: int,
         dtype: Any,
         budget_tokens: int,
-        context_lengths: jax.Array | None = None,
     ) -> TieredCache:
-        """Empty stacked cache; ``context_lengths`` [B] (question-agnostic mode): where each question starts."""
-        if (context_lengths is not None) != self.question_agnostic:
-            raise ValueError(
-                f"{self.name}: context_lengths must be given exactly in question-agnostic mode "
-                f"(question_agnostic={self.question_agnostic})"
-            )
+        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
         b = prompt_lengths.shape[0]
         caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
-        return init_cache(caps, model_cfg, b, dtype, prompt_lengths, context_lengths)
+        return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
+
+    def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+        """A decode-time eviction event of every layer and row now (identity for compress-once pools)."""
+        if not cache.caps.decode_routing:
+            return cache
+        return jax.vmap(jax.vmap(lambda row: route_pool_row(row, self)))(cache)
+
+    def reserve(self, cache: TieredCache, total_tokens: int) -> TieredCache:
+        """Decode-time pools hold any length; a compress-once pool keeps every later token in its ring and
+        refuses a sequence that would overflow it."""
+        caps = cache.caps
+        if caps.decode_routing:
+            return cache
+        first_kept = caps.sink + int(jnp.min(cache.next_win))
+        if total_tokens - first_kept > caps.ring:
+            raise ValueError(
+                f"{self.name} compresses once after the prompt and keeps every later token in its ring of "
+                f"{caps.ring} tokens: {total_tokens - first_kept} would not fit (give the first call a larger "
+                f"max_new_tokens to reserve room for later turns)"
+            )
+        return cache
 
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
@@ -196,6 +213,7 @@ class H2O(PoolMethod):
 
     name: str = "h2o"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0.5, omega=1, q_frac=0.0, layout="pool")
+    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
 
     def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
         return mass.mean(axis=2)
@@ -213,6 +231,7 @@ class TOVA(PoolMethod):
 
     name: str = "tova"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, omega=1, q_frac=0.0, layout="pool")
+    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
 
     def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
         probs = observation_attention(q, k, end, 1, ctx.cfg.sliding_window)[:, :, :, 0]  # [B, Hkv, G, T]
@@ -258,6 +277,8 @@ class SnapKV(PoolMethod):
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
     n_obs: int = 32
     kernel: int = 5
+    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "kernel")
+    protects_recent: ClassVar[bool] = True
 
     def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
         return snapkv_scores(q, k, end, self.n_obs, self.kernel, ctx.cfg.sliding_window)
@@ -275,6 +296,7 @@ class PyramidKV(SnapKV):
 
     name: str = "pyramidkv"
     beta: float = 20.0
+    options: ClassVar[tuple[str, ...]] = (*SnapKV.options, "beta")
 
     def layer_caps(self, per_head, num_layers, prefix):
         for mean in range(per_head, 0, -1):
@@ -313,6 +335,7 @@ class CriticalKV(SnapKV):
     name: str = "criticalkv"
     first_stage_ratio: float = 0.5
     epsilon: float = 1e-4
+    options: ClassVar[tuple[str, ...]] = (*SnapKV.options, "first_stage_ratio", "epsilon")
 
     def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
         base = snapkv_scores(q, k, end, self.n_obs, self.kernel, ctx.cfg.sliding_window)
@@ -339,6 +362,8 @@ class ReSTKV(PoolMethod):
     alpha: float = 0.3
     kernel: int = 5
     scale: float = 200.0
+    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "alpha", "kernel", "scale")
+    protects_recent: ClassVar[bool] = True
 
     def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
         return restkv_scores(
@@ -373,6 +398,3 @@ BASELINES: dict[str, Any] = {
     ),
 }
 """Default instance of every baseline (their ``cache`` carries the defaults; ``make_method`` sets β)."""
-
-PROMPT_METHODS = ("snapkv", "pyramidkv", "adakv", "criticalkv", "restkv", "keynorm")
-"""Methods that compress once after the prompt and support question-agnostic mode."""

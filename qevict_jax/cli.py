@@ -19,6 +19,29 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)"
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=list(KV_DTYPES),
+        default="bfloat16",
+        help="storage dtype of the KV cache and of Full-KV's reference bytes (default bfloat16)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a method option (n_obs=64, recent=64, ranking=cumulative-all, ...); method.NAME=VALUE sets it "
+        "for one method; repeatable; an option a method lacks is an error",
+    )
+
+
+KV_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def kv_dtype(args):
+    """The ``--kv-dtype`` as a jnp dtype."""
+    import jax.numpy as jnp
+
+    return jnp.dtype(args.kv_dtype)
 
 
 def _add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
@@ -133,17 +156,14 @@ def _encode_prompt(tok, context: str, question: str | None, chat: bool) -> tuple
     ids = tok.encode(text)
     if question is None:
         return ids, len(ids)
-    head = tok.encode(text[: text.index(user) + len(context)])
-    if ids[: len(head)] != head:
-        raise ValueError("could not split the prompt into context and question tokens")
-    return ids, len(head)
+    return ids, tok.token_index(text, text.index(user) + len(context))
 
 
 def cmd_generate(args) -> int:
     from qevict_jax.generate import SamplerConfig, generate
-    from qevict_jax.methods import make_method
+    from qevict_jax.methods import make_method, options_for, parse_set_options
 
-    opts = {"question_agnostic": True} if args.question_agnostic else {}
+    opts = options_for(args.method, parse_set_options(args.set))
     if args.kernel:
         opts["kernel"] = True
     method = make_method(args.method, args.budget, **opts)
@@ -153,7 +173,8 @@ def cmd_generate(args) -> int:
     cfg, model, tok = _load(args)
     ids, question_start = _encode_prompt(tok, text, args.question, chat=not args.no_chat)
     sampler = SamplerConfig(args.max_new_tokens, args.temperature, args.top_p, _eos_ids(cfg, tok))
-    res = generate(model, [ids], sampler, method, seed=args.seed, question_starts=[question_start])
+    starts = [question_start] if args.question_agnostic else None
+    res = generate(model, [ids], sampler, method, seed=args.seed, question_starts=starts, kv_dtype=kv_dtype(args))
     out = tok.decode(res.tokens[0])
     record = {
         "text": out,
@@ -184,15 +205,16 @@ def cmd_generate(args) -> int:
 
 def cmd_needle(args) -> int:
     from qevict_jax.generate import SamplerConfig, generate
-    from qevict_jax.methods import make_method
+    from qevict_jax.methods import make_method, options_for, parse_set_options
     from qevict_jax.needle import needle_correct, needle_prompt_text, needle_sample
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",")]
+    scoped = parse_set_options(args.set)
     runs = []
     for name in methods:
         for b in [1.0] if name == "full" else budgets:
-            runs.append(make_method(name, b))
+            runs.append(make_method(name, b, **options_for(name, scoped)))
     cfg, model, tok = _load(args)
     sampler = SamplerConfig(args.max_new_tokens, eos_ids=_eos_ids(cfg, tok))
 
@@ -210,7 +232,7 @@ def cmd_needle(args) -> int:
     for method in runs:
         correct, ratios, ttft, tps = 0, [], [], []
         for s, ids in prompts:
-            res = generate(model, [ids], sampler, method)
+            res = generate(model, [ids], sampler, method, kv_dtype=kv_dtype(args))
             answer = tok.decode(res.tokens[0])
             ok = needle_correct(s, answer)
             correct += ok

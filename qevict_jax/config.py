@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from qevict_jax.kv import full_kv_bytes
 
-RANKINGS = ("cumulative", "decayed", "pnorm", "keynorm", "restkv")
+RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv")
 LAYOUTS = ("tiered", "pool", "local", "keep_all")
 
 
@@ -36,13 +36,15 @@ class CacheConfig:
     bits: 2 or 4, code width of the Q tier.
     budget: β, the byte budget as a fraction of the uncompressed cache of ``budget_tokens`` tokens.
     budget_bytes: when set, the byte budget per batch row (all layers), overriding ``budget``.
-    ranking: "cumulative" (H2O-style attention sum), "decayed" (exponentially decayed attention),
-        "pnorm" (sum over queries of window mass to the power ``p``), "keynorm" (low key norm = important).
+    ranking: "cumulative" (attention mass summed per window, initialized from the observation window: the
+        default), "cumulative-all" (initialized from every prompt query, H2O-style: ablation), "decayed"
+        (exponentially decayed attention), "pnorm" (sum over queries of window mass to the power ``p``),
+        "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill).
+    n_obs: observation window: the last ``n_obs`` prompt queries whose attention initializes the scores.
+    pool: max-pool kernel over neighbouring tokens of the observation rows (SnapKV-style; 0 = none).
     decay: per-query decay factor of the "decayed" ranking.
     p: exponent of the "pnorm" ranking.
     promotion: allow Q -> F promotions at routing.
-    dormant_reserve: ledger slots reserved for dormant copies of promoted windows, as a fraction of NF
-        (capped at half the ledger); ignored without promotion.
     prefill_chunk: query chunk of the prefill attention.
     kernel: decode attention of the tiered layout through the Pallas kernels (``pallas_kernels``): None =
         only on a GPU, True = always (interpret mode off a GPU: slow, for tests), False = jnp reference.
@@ -52,9 +54,7 @@ class CacheConfig:
         grown to fill the budget (StreamingLLM); "keep_all": every window that leaves the recent region is
         quantized into the Q tier and nothing is evicted (KIVI; the budget does not apply).
     static: compress once after prefill (no decode-time routing; the ring is sized to also hold every
-        decoded token, and, with ``question_capacity``, the uncompressed question). Pool layout only.
-    question_capacity: ring room for question tokens appended uncompressed after a question-agnostic
-        compression of the context (static pool layouts).
+        token after the prompt: an appended question or turn, and the decoded tokens). Pool layout only.
     """
 
     sink: int = 5
@@ -66,15 +66,15 @@ class CacheConfig:
     budget: float = 0.2
     budget_bytes: int | None = None
     ranking: str = "cumulative"
+    n_obs: int = 32
+    pool: int = 0
     decay: float = 0.98
     p: float = 3.0
     promotion: bool = True
-    dormant_reserve: float = 0.5
     prefill_chunk: int = 512
     layout: str = "tiered"
     kernel: bool | None = None
     static: bool = False
-    question_capacity: int = 0
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -83,8 +83,6 @@ class CacheConfig:
             raise ValueError("the pool layout is token-level: window must be 1")
         if self.static and self.layout != "pool":
             raise ValueError("static (compress-once) caches need the pool layout")
-        if self.question_capacity < 0:
-            raise ValueError(f"question_capacity must be >= 0, got {self.question_capacity}")
         if self.bits not in (2, 4):
             raise ValueError(f"bits must be 2 or 4, got {self.bits}")
         if self.window < 1:
@@ -117,10 +115,12 @@ class CacheConfig:
             raise ValueError(f"budget_bytes must be > 0, got {self.budget_bytes}")
         if self.ranking not in RANKINGS:
             raise ValueError(f"unknown ranking {self.ranking!r}; available: {', '.join(RANKINGS)}")
+        if self.n_obs < 1:
+            raise ValueError(f"n_obs must be >= 1, got {self.n_obs}")
+        if self.pool < 0:
+            raise ValueError(f"pool must be >= 0 (0 = no pooling), got {self.pool}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if not self.dormant_reserve >= 0.0:
-            raise ValueError(f"dormant_reserve must be >= 0, got {self.dormant_reserve}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
@@ -130,7 +130,9 @@ class Capacities:
     """Static buffer sizes of one layer's tiered cache (hashable; stored as a static field of the cache).
 
     sink: S sink slots. window: W. recent: R tokens. ring: local ring slots (a multiple of W).
-    nf: F slots. nq: maximum active Q windows. nl: ledger slots (nq + reserve for dormant entries).
+    nf: F slots. nl: ledger slots, shared by the active Q entries and the dormant copies of promoted
+    windows (an F window's first-demotion codes, kept while it is in F). nq: the most active Q windows;
+    the Q tier holds ``min(nq, nl - dormant entries)`` at a routing event (``routing.plan_routing``).
     nw_max: number of window ids a sequence of the sized length can have (caps nf and nq).
     bits: code width. omega: routing interval.
     pool_per_head: token slots per KV head of the head pool (pool layout; 0 otherwise); the pool has
@@ -256,9 +258,8 @@ def solve_capacities(
     nf = (hist - q_bytes) // per_f
     nl = q_bytes // per_l
     nf = min(nf, nw)
-    reserve = min(math.ceil(cache_cfg.dormant_reserve * nf), nl // 2) if cache_cfg.promotion else 0
-    nq = min(nl - reserve, nw)
-    nl = nq + reserve
+    # one window never has more than one ledger entry: every slot can serve Q while no dormant copy needs it
+    nl = nq = min(nl, nw)
     result = caps(nf, nq, nl)
     total = _cache_bytes(result, model_cfg, batch, dtype)
     if total > budget:  # the cache is linear in nf and nl, so this cannot happen
@@ -343,8 +344,8 @@ def solve_pool_capacities(
 ) -> Capacities:
     """Capacities of the per-KV-head token pool (eviction baselines, W = 1).
 
-    Fixed part: sinks, the ring (recent R + Ω for decode-time eviction; R + every decoded token + the
-    question capacity for compress-once caches), ring scores and counters. The rest of the byte budget buys
+    Fixed part: sinks, the ring (recent R + Ω for decode-time eviction; R + every token after the prompt
+    for compress-once caches), ring scores and counters. The rest of the byte budget buys
     pool slots, ``Hkv`` at a time (one per KV head: K and V of one head, position, owner head, score), at
     most ``max_selectable`` per head (more could never be filled).
     """
@@ -352,10 +353,7 @@ def solve_pool_capacities(
     full = full_kv_bytes(model_cfg, budget_tokens, dtype, batch)
     itemsize = jnp.dtype(dtype).itemsize
     recent = resolve_recent(cache_cfg, budget / (batch * model_cfg.kv_bytes_per_token(itemsize)))
-    if cache_cfg.static:
-        ring = recent + max_new_tokens + cache_cfg.question_capacity
-    else:
-        ring = ring_capacity(recent, 1, cache_cfg.omega)
+    ring = recent + max_new_tokens if cache_cfg.static else ring_capacity(recent, 1, cache_cfg.omega)
 
     def caps(pph: int) -> Capacities:
         return Capacities(

@@ -8,6 +8,10 @@ A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) w
   for ``budget_tokens`` tokens per row (static; methods with ``uses_budget = False`` ignore it).
 - ``prefill_attend(q, k, v, layer_cache, ctx)`` and ``decode_attend(...)``: the decoder's ``AttendFn`` for the
   prompt pass (positions ``0..P-1``, rows right-padded) and for one decoded token per row.
+- ``route(cache, inv_freq)``: a routing event now, on the whole stacked cache (after an appended chunk of
+  tokens, before decoding); identity for methods that never route.
+- ``reserve(cache, total_tokens)``: a cache with room for ``total_tokens`` tokens per row (a continued
+  conversation), or a clear error when the method cannot grow.
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from models.model import LayerContext
 
 
 class KVMethod(Protocol):
+    """name: registry name; uses_budget: sized by a byte budget β; options: names ``configure`` may set;
+    protects_recent: has a protected recent region (``recent``) that a benchmark's protocol may set."""
+
     name: str
+    uses_budget: ClassVar[bool]
+    options: ClassVar[tuple[str, ...]]
+    protects_recent: ClassVar[bool]
 
     def init_cache(
         self,
@@ -40,6 +50,10 @@ class KVMethod(Protocol):
     def prefill_attend(self, q, k, v, layer_cache, ctx: LayerContext) -> tuple[jax.Array, Any]: ...
 
     def decode_attend(self, q, k, v, layer_cache, ctx: LayerContext) -> tuple[jax.Array, Any]: ...
+
+    def route(self, cache: Any, inv_freq: jax.Array) -> Any: ...
+
+    def reserve(self, cache: Any, total_tokens: int) -> Any: ...
 
 
 def full_kv_bytes(model_cfg: ModelConfig, num_tokens: int, dtype: Any, batch: int = 1) -> int:
@@ -76,6 +90,9 @@ class FullKV:
     name: str = "full"
     prefill_chunk: int = 512
     stacked_cache: ClassVar[bool] = True
+    uses_budget: ClassVar[bool] = False
+    options: ClassVar[tuple[str, ...]] = ("prefill_chunk",)
+    protects_recent: ClassVar[bool] = False
 
     def init_cache(
         self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens=0
@@ -86,6 +103,17 @@ class FullKV:
         length = jnp.broadcast_to(prompt_lengths.astype(jnp.int32), (model_cfg.num_layers, b))
         return FullCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=length)
 
+    def route(self, cache: FullCache, inv_freq: jax.Array) -> FullCache:
+        return cache
+
+    def reserve(self, cache: FullCache, total_tokens: int) -> FullCache:
+        """Grow the buffers [L, B, Hkv, C, D] to at least ``total_tokens`` slots (zero padding)."""
+        extra = total_tokens - cache.k.shape[3]
+        if extra <= 0:
+            return cache
+        pad = ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))
+        return cache.replace(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
+
     def prefill_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
         """q [B, P, H, D], k, v [B, P, Hkv, D]; cache: stacked [L, ...]. Writes the layer's prompt KV."""
         out, _ = chunked_attention(
@@ -95,6 +123,21 @@ class FullKV:
         cache = cache.replace(
             k=jax.lax.dynamic_update_slice(cache.k, k.swapaxes(1, 2)[None].astype(cache.k.dtype), at),
             v=jax.lax.dynamic_update_slice(cache.v, v.swapaxes(1, 2)[None].astype(cache.v.dtype), at),
+        )
+        return out, cache
+
+    def prefill_attend_slice(self, q, k, v, cache: FullCache, ctx: LayerContext):
+        """``prefill_attend`` on one layer's slice of the cache ([B, Hkv, C, D] fields), for a shared prefill
+        (``generate.Fanout``) whose layer scan hands every member its slice and the prompt attention."""
+        if ctx.prompt_attention is not None:
+            out = ctx.prompt_attention[0]
+        else:
+            out, _ = chunked_attention(
+                q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk
+            )
+        cache = cache.replace(
+            k=jax.lax.dynamic_update_slice(cache.k, k.swapaxes(1, 2).astype(cache.k.dtype), (0, 0, 0, 0)),
+            v=jax.lax.dynamic_update_slice(cache.v, v.swapaxes(1, 2).astype(cache.v.dtype), (0, 0, 0, 0)),
         )
         return out, cache
 

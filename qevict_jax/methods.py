@@ -1,141 +1,77 @@
-"""The QEvict KV method and its named configurations (the registry the CLI, evaluation and tests read).
+"""The registry of KV methods the CLI, the evaluation and the tests read, and their options.
 
-Every variant is a ``CacheConfig`` over the same tiered machinery: the paper's diagnostic variants R1-R4
-differ in window size and in whether the Q tier exists; "qevict-restkv" ranks the prompt's windows with the
-ReST-KV output-change score. The baselines (StreamingLLM, H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV,
-CriticalKV, ReST-KV, KIVI-2/4) are configurations and small policies over the same cache, in
-``qevict_jax.baselines``.
+Full-KV (``qevict_jax.kv``), QEvict and its variants (``qevict_jax.qevict``) and every baseline
+(``qevict_jax.baselines``); ``make_method(name, budget, **options)`` is the one way to build one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
-import jax
 import numpy as np
 
-from models.config import ModelConfig
-from models.model import LayerContext
-from pallas_kernels.dispatch import use_pallas
-from qevict_jax.config import CacheConfig, Capacities, num_windows, solve_capacities
+from qevict_jax.baselines import BASELINES
+from qevict_jax.config import CacheConfig
 from qevict_jax.kv import FullKV, KVMethod
-from qevict_jax.scoring import Ranking
-from qevict_jax.tiered import TieredCache, decode_layer, init_cache, prefill_layer
-
-
-@dataclasses.dataclass(frozen=True)
-class QEvict:
-    """Three-tier window cache (F full precision, Q packed low-bit with a persistent ledger, evicted).
-
-    QEvict, arXiv 2608.05326. ``cache``: the static configuration (budget, window, tiers, ranking).
-    """
-
-    name: str = "qevict"
-    cache: CacheConfig = CacheConfig()
-    uses_budget: ClassVar[bool] = True
-
-    @property
-    def ranking(self) -> Ranking:
-        return Ranking(self.cache.ranking, self.cache.decay, self.cache.p)
-
-    def capacities(
-        self,
-        model_cfg: ModelConfig,
-        batch: int,
-        prompt_capacity: int,
-        max_new_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-    ) -> Capacities:
-        """Static buffer sizes for a batch (see ``config.solve_capacities``)."""
-        max_windows = num_windows(prompt_capacity + max_new_tokens, self.cache.sink, self.cache.window)
-        return solve_capacities(self.cache, model_cfg, batch, budget_tokens, dtype, max_windows=max_windows)
-
-    def init_cache(
-        self,
-        model_cfg: ModelConfig,
-        prompt_lengths: jax.Array,
-        prompt_capacity: int,
-        max_new_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-        context_lengths: jax.Array | None = None,
-    ) -> TieredCache:
-        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32.
-
-        ``context_lengths`` (question-agnostic compression) is not supported by the window tiers."""
-        if context_lengths is not None:
-            raise ValueError(
-                f"{self.name} compresses the whole prompt; question-agnostic mode is unsupported"
-            )
-        b = prompt_lengths.shape[0]
-        caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
-        return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
-
-    def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
-        """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
-        return prefill_layer(
-            q, k, v, layer_cache, ctx, self.ranking, self.cache.promotion, self.cache.prefill_chunk
-        )
-
-    def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
-        """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
-        return decode_layer(
-            q, k, v, layer_cache, ctx, self.ranking, self.cache.promotion, use_pallas(self.cache.kernel)
-        )
-
-
-_VARIANTS: dict[str, dict[str, Any]] = {
-    "qevict": {},  # = R3
-    "r1": {"window": 1, "q_frac": 0.0},  # token-level eviction
-    "r2": {"window": 8, "q_frac": 0.0},  # two-tier window eviction
-    "r3": {"window": 8},
-    "r4": {"window": 32},
-    "qevict-nopromo": {"promotion": False},
-    "qevict-restkv": {"ranking": "restkv"},  # ReST-KV output-change ranking of the prompt's windows
-}
+from qevict_jax.qevict import VARIANTS, QEvict
+from qevict_jax.tiered import TieredCache
 
 
 def available_methods() -> list[str]:
     """Names accepted by ``make_method``: Full-KV, QEvict and its variants, every baseline."""
-    from qevict_jax.baselines import BASELINES
-
-    return ["full", *_VARIANTS, *BASELINES]
+    return ["full", *VARIANTS, *BASELINES]
 
 
-def make_method(
-    name: str, budget: float = 0.2, question_agnostic: bool = False, **overrides: Any
-) -> KVMethod:
-    """The named method at byte budget ``budget`` (fraction of Full-KV); ``overrides`` replace any
-    ``CacheConfig`` field (e.g. ``window=16, ranking="decayed"``).
-
-    question_agnostic: prompt-based baselines (``baselines.PROMPT_METHODS``) compress the context only and
-    append the question uncompressed; the cache then reserves ``question_capacity`` (default 256) tokens
-    for it and ``init_cache`` needs ``context_lengths``.
-    """
-    from qevict_jax.baselines import BASELINES, PROMPT_METHODS
-
+def default_method(name: str) -> KVMethod:
+    """The named method with its defaults (β = the ``CacheConfig`` default)."""
     if name == "full":
         return FullKV()
-    if name not in _VARIANTS and name not in BASELINES:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
-    fields = {f.name for f in dataclasses.fields(CacheConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ValueError(f"unknown cache option(s) {sorted(unknown)}; known: {sorted(fields)}")
-    if question_agnostic and name not in PROMPT_METHODS:
-        raise ValueError(
-            f"question-agnostic mode is for the prompt-compressing methods {', '.join(PROMPT_METHODS)}, not {name!r}"
-        )
+    if name in VARIANTS:
+        return QEvict(name=name, cache=CacheConfig(**VARIANTS[name]))
     if name in BASELINES:
-        base = BASELINES[name]
-        extra = {"question_capacity": 256} if question_agnostic else {}
-        cfg = dataclasses.replace(base.cache, budget=budget, **{**extra, **overrides})
-        method = dataclasses.replace(base, cache=cfg)
-        return dataclasses.replace(method, question_agnostic=True) if question_agnostic else method
-    cfg = CacheConfig(**{**_VARIANTS[name], "budget": budget, **overrides})
-    return QEvict(name=name, cache=cfg)
+        return BASELINES[name]
+    raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+
+
+def configure(method: KVMethod, budget: float | None = None, **options: Any) -> KVMethod:
+    """``method`` with byte budget ``budget`` (fraction of Full-KV; None keeps it) and ``options`` set.
+
+    An option is any name in ``method.options``: a field of the method itself (``n_obs`` of SnapKV) or of
+    its ``CacheConfig`` (``recent``, ``window``, ``n_obs`` of QEvict, ...). A name the method lacks is a
+    ValueError listing the ones it has.
+    """
+    unknown = sorted(set(options) - set(method.options))
+    if unknown:
+        raise ValueError(
+            f"method {method.name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(sorted(method.options))}"
+        )
+    own_fields = {f.name for f in dataclasses.fields(method)} - {"name", "cache"}
+    own = {k: v for k, v in options.items() if k in own_fields}
+    cfg = {k: v for k, v in options.items() if k not in own_fields}
+    cache = getattr(method, "cache", None)
+    if cache is not None:
+        if budget is not None:
+            cfg["budget"] = budget
+        own["cache"] = dataclasses.replace(cache, **cfg)
+    return dataclasses.replace(method, **own)
+
+
+def make_method(name: str, budget: float = 0.2, **options: Any) -> KVMethod:
+    """The named method at byte budget ``budget`` (fraction of Full-KV) with ``options`` set (``configure``):
+    ``make_method("qevict", 0.1, window=16, ranking="decayed")``, ``make_method("snapkv", 0.2, n_obs=64)``.
+    Question-agnostic compression is a way of calling ``generate`` (``question_starts``), for every method.
+    """
+    return configure(default_method(name), budget, **options)
+
+
+def method_option(method: KVMethod, name: str) -> Any:
+    """The current value of option ``name`` of ``method`` (its own field, else its cache's)."""
+    if name not in method.options:
+        raise ValueError(f"method {method.name!r} has no option {name!r}")
+    cache = getattr(method, "cache", None)
+    return getattr(method, name) if hasattr(method, name) else getattr(cache, name)
 
 
 def cache_stats(cache: TieredCache) -> dict[str, Any]:
@@ -167,3 +103,36 @@ def cache_stats(cache: TieredCache) -> dict[str, Any]:
         "nq": caps.nq,
         "nl": caps.nl,
     }
+
+
+def parse_option_value(text: str) -> Any:
+    """A command-line option value: true/false, none, an int, a float, else the string itself."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_set_options(items: list[str] | None) -> dict[str | None, dict[str, Any]]:
+    """``--set`` items (``name=value`` for every method, ``method.name=value`` for one) ->
+    {method name or None: {option: value}}."""
+    scoped: dict[str | None, dict[str, Any]] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set takes name=value or method.name=value, got {item!r}")
+        scope, dot, name = key.strip().rpartition(".")
+        scoped.setdefault(scope if dot else None, {})[name] = parse_option_value(value)
+    return scoped
+
+
+def options_for(name: str, scoped: dict[str | None, dict[str, Any]]) -> dict[str, Any]:
+    """The options of method ``name`` from ``parse_set_options``' result (scoped ones win)."""
+    return {**scoped.get(None, {}), **scoped.get(name, {})}

@@ -6,13 +6,28 @@ metadata; it is cheap and testable on its own. ``route_row`` computes the candid
 event, runs the plan and moves the data (frees before allocations, ``.at[].set(mode="drop")`` scatters).
 
 Ranking: F ∪ active Q ∪ candidates by score (stable: ties keep the order F slots, ledger slots,
-candidates). Top NF -> F, next NQ -> Q, the rest are evicted. Without promotion, Q windows are not eligible
-for F: F takes the top NF of F ∪ candidates, then Q the top NQ of everything left.
+candidates). Top NF -> F, next NQ -> Q (fewer when dormant entries fill the ledger, see below), the rest
+are evicted. Without promotion, Q windows are not eligible for F: F takes the top NF of F ∪ candidates,
+then Q the top NQ of everything left.
 
-Ledger: an entry is free (win -1), active (in Q) or dormant (a promoted window's first-demotion codes,
-kept so that its next demotion reuses them bit for bit). New entries take free slots first, then reclaim
-dormant slots (older dormant entries first, then those of windows promoted in this event; lowest slot
-index first within each class); active entries are never displaced.
+Ledger: an entry is free (win -1), active (in Q) or dormant (the codes of a window promoted to F, kept so
+that its next demotion reactivates them bit for bit). A window's codes are computed once, when it is first
+quantized (candidate -> Q, or the first F -> Q of a window that came into F as a candidate), and they are
+the only codes it ever has until it is evicted: a dormant entry is never reclaimed while its window is in
+F; it is freed when the window is evicted from F and reactivated when the window is demoted to Q. The
+ledger room is shared instead: the Q tier holds at most ``min(nq, NL - dormant)`` windows, dormant = the
+entries that are dormant after the event (F windows staying in F that have one, plus the Q windows
+promoted in this event), so when the ledger is full the lowest-ranked Q window is evicted rather than a
+dormant copy dropped. New entries only take free slots (lowest index first); active entries are never
+displaced.
+
+Hence a window demoted F -> Q without a dormant entry was never quantized before: a window enters F either
+as a candidate (never quantized) or by promotion from Q (its entry turns dormant); it leaves F only to Q
+(reactivating that entry) or to E (never to return); and while it stays in F its dormant entry stays. So
+every F window that was ever quantized holds a dormant entry, and only the others are quantized at
+demotion, from their F copy, which is the original KV (in the cache dtype). Re-quantizing a dequantized
+copy, which would drift by one rounding per promote/demote cycle, never happens. Without promotion no
+entry is ever dormant and the Q tier holds ``nq`` windows.
 """
 
 from __future__ import annotations
@@ -88,7 +103,8 @@ def plan_routing(
     """Plan one routing event for one row.
 
     fp_win, fp_score: [NF] (win -1 = empty). led_win, led_score: [NL], led_active: [NL] bool.
-    cand_win, cand_score: [K] (win -1 = no candidate). nq: the most active Q windows (<= NL).
+    cand_win, cand_score: [K] (win -1 = no candidate). nq: the most active Q windows (<= NL); the Q tier
+    holds at most ``min(nq, NL - dormant entries after the event)`` (see the module docstring).
     """
     nf, nl, k = fp_win.shape[0], led_win.shape[0], cand_win.shape[0]
     f_valid = fp_win >= 0
@@ -99,10 +115,20 @@ def plan_routing(
     is_q = jnp.concatenate([jnp.zeros(nf, bool), jnp.ones(nl, bool), jnp.zeros(k, bool)])
     f_eligible = valid if promotion else valid & ~is_q
     in_f = f_eligible & (_rank(jnp.where(f_eligible, score, -jnp.inf)) < nf)
-    q_eligible = valid & ~in_f
-    in_q = q_eligible & (_rank(jnp.where(q_eligible, score, -jnp.inf)) < nq)
-    gone = valid & ~in_f & ~in_q
     f_in_f, q_in_f, c_in_f = jnp.split(in_f, [nf, nf + nl])
+
+    # ledger: each F window's dormant entry, if it has one; which entries are dormant after the event
+    dormant = (led_win >= 0) & ~led_active
+    match = (fp_win[:, None] == led_win[None, :]) & f_valid[:, None] & dormant[None, :]  # [NF, NL]
+    has_dormant = match.any(axis=1)
+    keep_dormant = (match & f_in_f[:, None]).any(axis=0)  # [NL] F window stays in F: entry stays dormant
+    promoted = q_valid & q_in_f  # [NL] turns dormant
+    # the Q tier gets the ledger room the dormant entries leave (a traced scalar, <= nq)
+    q_cap = jnp.minimum(nq, nl - jnp.sum(keep_dormant | promoted, dtype=jnp.int32))
+
+    q_eligible = valid & ~in_f
+    in_q = q_eligible & (_rank(jnp.where(q_eligible, score, -jnp.inf)) < q_cap)
+    gone = valid & ~in_f & ~in_q
     f_in_q, q_in_q, c_in_q = jnp.split(in_q, [nf, nf + nl])
     f_gone, q_gone, _ = jnp.split(gone, [nf, nf + nl])
     q_score = led_score.astype(jnp.float32)
@@ -117,19 +143,13 @@ def plan_routing(
     new_fp_score = jnp.where(f_in_f, fp_score, 0.0)
     new_fp_score = new_fp_score.at[f_target].set(jnp.concatenate([q_score, cand_score]), mode="drop")
 
-    # ledger: each F window's dormant entry, if it has one
-    dormant = (led_win >= 0) & ~led_active
-    match = (fp_win[:, None] == led_win[None, :]) & f_valid[:, None] & dormant[None, :]  # [NF, NL]
-    has_dormant = match.any(axis=1)
-    reactivate = (match & (f_in_q & has_dormant)[:, None]).any(axis=0)  # [NL]
-    drop_dormant = (match & f_gone[:, None]).any(axis=0)
-    freed = (q_valid & q_gone) | drop_dormant | (led_win < 0)
+    # ledger slots: everything not kept (evicted Q windows, dormant entries of windows evicted from F, free
+    # slots, and any dormant entry without its F window) is free; newcomers take free slots only
+    reactivate = (match & f_in_q[:, None]).any(axis=0)  # [NL]
     keep_active = q_valid & q_in_q
-    reclaimable = dormant & ~drop_dormant & ~reactivate
-    promoted = q_valid & q_in_f  # dormant from now on, reclaimed after older dormant entries
-    pref = jnp.where(freed, 0, jnp.where(reclaimable, 1, jnp.where(promoted, 2, 3)))
+    freed = ~(keep_active | reactivate | keep_dormant | promoted)
     q_new = jnp.concatenate([f_in_q & ~has_dormant, c_in_q])
-    q_target = assign_slots(freed | reclaimable | promoted, q_new, pref)
+    q_target = assign_slots(freed, q_new)
     f2q_target, c2q_target = jnp.split(q_target, [nf])
 
     react_score = jnp.sum(jnp.where(match & f_in_q[:, None], fp_score[:, None], 0.0), axis=0)
@@ -151,7 +171,7 @@ def plan_routing(
         c2f_target=c2f_target,
         f2q_target=f2q_target,
         c2q_target=c2q_target,
-        promotions=count(q_valid & q_in_f),
+        promotions=count(promoted),
         demotions=count(f_valid & f_in_q),
         evictions=count(gone),
     )
@@ -219,11 +239,20 @@ def apply_plan(
     ledger = {name: getattr(row, name) for name in LEDGER_FIELDS}
     if nl and nf:
         # sources are computed from the old state before anything is overwritten
-        fk, fv = row.fp_k, row.fp_v
-        f_entries = quantize_windows(fk, fv, s + row.fp_win * w, inv_freq, bits)
-        lk, lv = dequantize_windows(*(ledger[n] for n in LEDGER_FIELDS), s + row.led_win * w, inv_freq, bits)
-        fp_k = fp_k.at[:, plan.q2f_target].set(lk.astype(fp_k.dtype), mode="drop")
-        fp_v = fp_v.at[:, plan.q2f_target].set(lv.astype(fp_v.dtype), mode="drop")
+        f_entries = quantize_windows(row.fp_k, row.fp_v, s + row.fp_win * w, inv_freq, bits)
+        # promotions: F slot f receives ledger slot src[f] (NL = none); only those NF entries are dequantized
+        src = (
+            jnp.full((nf,), nl, jnp.int32)
+            .at[plan.q2f_target]
+            .set(jnp.arange(nl, dtype=jnp.int32), mode="drop")
+        )
+        sel = jnp.minimum(src, nl - 1)
+        lk, lv = dequantize_windows(
+            *(ledger[n][:, sel] for n in LEDGER_FIELDS), s + row.led_win[sel] * w, inv_freq, bits
+        )
+        hit = (src < nl)[None, :, None, None]
+        fp_k = jnp.where(hit, lk.astype(fp_k.dtype), fp_k)
+        fp_v = jnp.where(hit, lv.astype(fp_v.dtype), fp_v)
         for name, x in zip(LEDGER_FIELDS, f_entries, strict=True):
             ledger[name] = ledger[name].at[:, plan.f2q_target].set(x, mode="drop")
     if nf:

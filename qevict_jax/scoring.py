@@ -7,9 +7,12 @@ static function of its keys); higher = more important. Every ranking provides:
 - ``prefill_window_scores(...)``: the score of every prompt window after the prompt pass;
 - ``candidate_score(ring_score, k_window)``: the score of a window when it leaves the recent region.
 
-Rankings: "cumulative" (sum of mass, H2O), "decayed" (score <- decay * score + mass), "pnorm" (sum of
-mass^p; rank-equivalent to the p-norm of the window's mass over queries), "keynorm" (minus the mean key norm:
-low key norm = important; independent of attention).
+Rankings: "cumulative" (sum of mass, initialized from the observation window: the last ``n_obs`` prompt
+queries, as SnapKV and the paper's prompt attention do; the default), "cumulative-all" (the same sum over
+*every* prompt query, H2O-style: an ablation), "decayed" (score <- decay * score + mass), "pnorm" (sum of
+mass^p; rank-equivalent to the p-norm of the window's mass over queries), "restkv" (ReST-KV output-change
+score at prefill, then cumulative), "keynorm" (minus the mean key norm: low key norm = important;
+independent of attention).
 """
 
 from __future__ import annotations
@@ -37,46 +40,46 @@ def key_norm_score(k: jax.Array) -> jax.Array:
     return -jnp.mean(norms, axis=(-1, -2))
 
 
-def chunked_head_mean_probs_reduce(
-    q: jax.Array,
-    k: jax.Array,
-    q_pos: jax.Array,
-    k_pos: jax.Array,
-    reduce_fn,
-    init: jax.Array,
-    sliding_window: int | None,
-    chunk: int,
+def observation_mass(
+    q: jax.Array, k: jax.Array, end: jax.Array, n_obs: int, sliding_window: int | None, pool: int = 0
 ) -> jax.Array:
-    """Fold ``reduce_fn(acc, probs [B, C, Tk], q_pos [B, C]) -> acc`` over query chunks of the head-mean
-    attention probabilities of q [B, Tq, H, D] over k [B, Tk, Hkv, D] (padding queries have q_pos = -1)."""
-    b, tq, h, d = q.shape
-    n = -(-tq // chunk)
-    pad = n * chunk - tq
-    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    q_pos = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
-    qc = q.reshape(b, n, chunk, h, d).swapaxes(0, 1)
-    pc = q_pos.reshape(b, n, chunk).swapaxes(0, 1)
+    """Head-mean attention rows of the observation window: the last ``n_obs`` queries before ``end`` [B].
 
-    def body(acc, xs):
-        q_i, p_i = xs
-        logits = grouped_scores(q_i, k)
-        mask = attention_mask(p_i, k_pos, sliding_window)[:, None, None]
-        probs = jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1), 0.0)
-        return reduce_fn(acc, probs.mean(axis=(1, 2)), p_i), None
-
-    acc, _ = jax.lax.scan(body, init, (qc, pc))
-    return acc
+    q [B, T, H, D], k [B, T, Hkv, D] post-RoPE at positions 0..T-1. Returns [B, n_obs, T] f32: row i is the
+    attention of the query at position ``end - n_obs + i`` averaged over all query heads (zero for rows
+    before position 0 and for keys at or after ``end``). ``pool`` > 1: each row is max-pooled over
+    ``pool`` neighbouring keys (centred, as SnapKV's ``max_pool1d``), then masked to keys before ``end``.
+    """
+    rows = observation_attention(q, k, end, n_obs, sliding_window).mean(axis=(1, 2))  # [B, n, T]
+    if pool > 1:
+        pooled = jax.lax.reduce_window(
+            rows,
+            -jnp.inf,
+            jax.lax.max,
+            (1, 1, pool),
+            (1, 1, 1),
+            ((0, 0), (0, 0), (pool // 2, (pool - 1) // 2)),
+        )
+        keys = jnp.arange(rows.shape[-1])[None, None]
+        rows = jnp.where(keys < end[:, None, None], pooled, 0.0)
+    return rows
 
 
 @dataclasses.dataclass(frozen=True)
 class Ranking:
-    """A ranking function (static, hashable). kind: one of ``config.RANKINGS``."""
+    """A ranking function (static, hashable). kind: one of ``config.RANKINGS``.
+
+    n_obs: observation window (last prompt queries) that initializes the attention-based scores; pool: max-pool
+    kernel over neighbouring tokens of the observation rows (0 or 1 = none); decay: per-step factor of
+    "decayed"; p: exponent of "pnorm"; alpha: EMA factor of "restkv".
+    """
 
     kind: str = "cumulative"
     decay: float = 0.98
     p: float = 3.0
-    n_obs: int = 32  # "restkv": observation window (last prompt queries)
-    alpha: float = 0.3  # "restkv": EMA factor over the observation rows
+    n_obs: int = 32
+    pool: int = 0
+    alpha: float = 0.3
 
     @property
     def attention_based(self) -> bool:
@@ -84,7 +87,7 @@ class Ranking:
 
     def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
         """One decode step: score [...] f32, mass [...] head-mean window mass -> new score."""
-        if self.kind in ("cumulative", "restkv"):
+        if self.kind in ("cumulative", "cumulative-all", "restkv"):
             return score + mass
         if self.kind == "decayed":
             return self.decay * score + mass
@@ -102,69 +105,58 @@ class Ranking:
         self,
         q: jax.Array,
         k: jax.Array,
-        positions: jax.Array,
         lengths: jax.Array,
         column_mass: jax.Array,
         sink: int,
         window: int,
         num_windows: int,
         sliding_window: int | None,
-        chunk: int,
         v: jax.Array | None = None,
         wo: jax.Array | None = None,
     ) -> jax.Array:
-        """Scores [B, NW] of the prompt windows after the prompt pass.
+        """Scores [B, NW] of the prompt windows after the prompt pass (DESIGN §5).
 
-        q [B, T, H, D], k [B, T, Hkv, D] (post-RoPE), positions [B, T], lengths [B] (right padding);
-        column_mass [B, Hkv, G, T]: attention each key received from every valid query (cumulative case).
+        q [B, T, H, D], k [B, T, Hkv, D] (post-RoPE, positions 0..T-1), lengths [B] (right padding);
+        column_mass [B, Hkv, G, T]: attention each key received from every valid query ("cumulative-all").
         v [B, T, Hkv, D] and wo [H*D, Dm] (the layer's output projection): needed by "restkv".
 
-        "restkv": the ReST-KV output-change score (``restkv_scores``, EMA over the last ``n_obs`` prompt
-        queries, kernel-5 average pooling), head-mean, summed per window, for windows that end before the
-        observation window; it is rescaled per row so that these windows' total equals their cumulative
-        attention mass (decode steps then add attention mass in the same units). Windows overlapping the
-        observation window (they start in the recent region) keep their cumulative mass.
+        The attention-based rankings start from the observation window, the last ``n_obs`` prompt queries
+        (``observation_mass``), so that prefill and decode add mass in the same units (one query row = one
+        decode step): "cumulative" sums the rows, "decayed" weighs row i by ``decay^(n_obs - 1 - i)``,
+        "pnorm" sums each row's window mass to the power p. "cumulative-all" sums the mass of *every*
+        prompt query (H2O-style; early tokens collect mass from every later query: kept for ablation).
+        "restkv": the ReST-KV output-change score (``restkv_scores``, kernel-5 average pooling), head-mean,
+        summed per window, for windows that end before the observation window, rescaled per row so that
+        these windows' total equals their observation-window mass; later windows keep their observation
+        mass. "keynorm": minus the mean key norm of the window.
         """
-        valid = positions < lengths[:, None]
-        k_pos = jnp.where(valid, positions, -1)
-        if self.kind == "restkv":
-            if v is None or wo is None:
-                raise ValueError("the restkv ranking needs the values and the layer's W_O (LayerContext.wo)")
-            tok = restkv_scores(q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None).mean(1)
-            rest_w = window_sums(tok, sink, window, num_windows)
-            cum_w = window_sums(column_mass.mean(axis=(1, 2)), sink, window, num_windows)
-            win_end = sink + (jnp.arange(num_windows) + 1) * window
-            early = win_end[None] <= (lengths - self.n_obs)[:, None]
-            num = jnp.sum(jnp.where(early, cum_w, 0.0), axis=1, keepdims=True)
-            den = jnp.sum(jnp.where(early, rest_w, 0.0), axis=1, keepdims=True)
-            scale = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
-            return jnp.where(early, rest_w * scale, cum_w)
-        if self.kind == "cumulative":
-            token = column_mass.mean(axis=(1, 2))
-            return window_sums(token, sink, window, num_windows)
         if self.kind == "keynorm":
             kw = prompt_windows(k, sink, window, num_windows)  # [B, NW, W, Hkv, D]
             return key_norm_score(kw.swapaxes(2, 3))
-        q_pos = jnp.where(valid, positions, -1)
-        b = q.shape[0]
+        if self.kind == "cumulative-all":
+            return window_sums(column_mass.mean(axis=(1, 2)), sink, window, num_windows)
+        rows = observation_mass(q, k, lengths, self.n_obs, sliding_window, self.pool)  # [B, n, T]
         if self.kind == "decayed":
-            last = lengths[:, None] - 1
-
-            def reduce_fn(acc, probs, p_i):
-                w = jnp.where(p_i >= 0, jnp.power(self.decay, (last - p_i).astype(jnp.float32)), 0.0)
-                return acc + jnp.einsum("bts,bt->bs", probs, w)
-
-            token = chunked_head_mean_probs_reduce(
-                q, k, q_pos, k_pos, reduce_fn, jnp.zeros(k_pos.shape, jnp.float32), sliding_window, chunk
+            weights = jnp.power(self.decay, jnp.arange(self.n_obs - 1, -1, -1, dtype=jnp.float32))
+            return window_sums(jnp.einsum("bnt,n->bt", rows, weights), sink, window, num_windows)
+        if self.kind == "pnorm":
+            per_row = jax.vmap(lambda x: window_sums(x, sink, window, num_windows), in_axes=1, out_axes=1)(
+                rows
             )
-            return window_sums(token, sink, window, num_windows)
-
-        def reduce_fn(acc, probs, p_i):
-            wm = jax.vmap(lambda x: window_sums(x, sink, window, num_windows))(probs)  # [B, C, NW]
-            return acc + jnp.sum(jnp.where((p_i >= 0)[..., None], jnp.power(wm, self.p), 0.0), axis=1)
-
-        init = jnp.zeros((b, num_windows), jnp.float32)
-        return chunked_head_mean_probs_reduce(q, k, q_pos, k_pos, reduce_fn, init, sliding_window, chunk)
+            return jnp.sum(jnp.power(per_row, self.p), axis=1)
+        obs_w = window_sums(rows.sum(axis=1), sink, window, num_windows)
+        if self.kind == "cumulative":
+            return obs_w
+        if v is None or wo is None:
+            raise ValueError("the restkv ranking needs the values and the layer's W_O (LayerContext.wo)")
+        tok = restkv_scores(q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None).mean(1)
+        rest_w = window_sums(tok, sink, window, num_windows)
+        win_end = sink + (jnp.arange(num_windows) + 1) * window
+        early = win_end[None] <= (lengths - self.n_obs)[:, None]
+        num = jnp.sum(jnp.where(early, obs_w, 0.0), axis=1, keepdims=True)
+        den = jnp.sum(jnp.where(early, rest_w, 0.0), axis=1, keepdims=True)
+        scale = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
+        return jnp.where(early, rest_w * scale, obs_w)
 
 
 def prompt_windows(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import NEG_INF, chunked_attention
+from models.attention import NEG_INF, prompt_attention
 from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.reference import combine_partials, ledger_attention_reference
@@ -76,8 +76,6 @@ class TieredCache:
     hp_head: jax.Array  # [B, NP] int8 owning KV head
     hp_score: jax.Array  # [B, NPS] f32 running score (NPS = NP with decode-time eviction, else 0)
     ring_hscore: jax.Array  # [B, Hkv, RS] f32 per-head score of each ring slot (RS = RING or 0, as NPS)
-    ctx_len: jax.Array  # [B] int32 context length: compression sees positions < ctx_len only (the rest of
-    # the prompt, the question, is appended uncompressed); = prompt length in question-aware mode
     caps: Capacities = struct.field(pytree_node=False)
 
 
@@ -87,10 +85,8 @@ def init_cache(
     batch: int,
     dtype: Any,
     lengths: jax.Array | None = None,
-    context_lengths: jax.Array | None = None,
 ) -> TieredCache:
-    """An empty stacked cache: every array field has a leading [L] axis. lengths: [B] tokens seen;
-    context_lengths: [B] the part of the prompt that compression may see (default: all of it)."""
+    """An empty stacked cache: every array field has a leading [L] axis. lengths: [B] tokens seen."""
     L, hkv, d = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
     b, w, nf, nl = batch, caps.window, caps.nf, caps.nl
     per = 8 // caps.bits
@@ -103,8 +99,6 @@ def init_cache(
     counter = z((), jnp.int32)
     npool = hkv * caps.pool_per_head
     nps = npool if caps.pool_scores else 0
-    if context_lengths is None:
-        context_lengths = lengths
     return TieredCache(
         sink_k=z((hkv, caps.sink, d), dtype),
         sink_v=z((hkv, caps.sink, d), dtype),
@@ -139,7 +133,6 @@ def init_cache(
         ),
         hp_score=z((nps,), jnp.float32),
         ring_hscore=z((hkv, caps.ring if caps.pool_scores else 0), jnp.float32),
-        ctx_len=jnp.broadcast_to(jnp.asarray(context_lengths, jnp.int32), (L, b)),
         caps=caps,
     )
 
@@ -202,6 +195,16 @@ def _write_slot(buf: jax.Array, x: jax.Array, slot: jax.Array, enabled: jax.Arra
 # ---------------------------------------------------------------------------------------------- prefill
 
 
+def shared_prompt_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, ctx: LayerContext, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """(out [B, T, H, D], column mass [B, Hkv, G, T]) of the prompt pass: ``ctx.prompt_attention`` when a
+    shared prefill computed it, else ``models.attention.prompt_attention``."""
+    if ctx.prompt_attention is not None:
+        return ctx.prompt_attention
+    return prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, chunk)
+
+
 def prefill_layer(
     q: jax.Array,
     k: jax.Array,
@@ -222,13 +225,10 @@ def prefill_layer(
     s, w = caps.sink, caps.window
     b, t = q.shape[:2]
     lengths = cache.length
-    positions = ctx.positions
-    valid = positions < lengths[:, None]
-    k_pos = jnp.where(valid, positions, -1)
-    out, mass = chunked_attention(q, k, v, positions, k_pos, ctx.cfg.sliding_window, chunk, q_valid=valid)
+    out, mass = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
     nwp = max(0, -(-(t - s) // w))
     scores = ranking.prefill_window_scores(
-        q, k, positions, lengths, mass, s, w, nwp, ctx.cfg.sliding_window, chunk, v=v, wo=ctx.wo
+        q, k, lengths, mass, s, w, nwp, ctx.cfg.sliding_window, v=v, wo=ctx.wo
     )  # [B, NWP]
 
     routed = jnp.maximum(0, jnp.floor_divide(lengths - s - caps.recent, w))  # [B] windows leaving the prompt
@@ -584,23 +584,18 @@ def pool_prefill_layer(
     """Prompt pass of one layer in the pool layout: q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows
     right-padded. Returns (out [B, T, H, D], cache).
 
-    The context (positions < ``cache.ctx_len``) is attended causally and scored by ``policy``; positions
-    ``S <= p < ctx_len - R`` compete for the pool, the last R context tokens and everything after the
-    context (the question, question-agnostic mode) stay in the ring. In question-agnostic mode the question
-    tokens then attend to the *compressed* cache (sinks, pool, ring), as if they were appended after the
-    compression.
+    The prompt (positions < ``cache.length``) is attended causally and scored by ``policy``; positions
+    ``S <= p < length - R`` compete for the pool, the last R tokens stay in the ring.
     """
     caps = cache.caps
     s = caps.sink
     b, t = q.shape[:2]
     hkv = k.shape[2]
-    lengths, ctx_len = cache.length, cache.ctx_len
+    lengths = cache.length
     positions = ctx.positions
-    in_ctx = positions < ctx_len[:, None]
-    k_pos = jnp.where(in_ctx, positions, -1)
-    out, mass = chunked_attention(q, k, v, positions, k_pos, ctx.cfg.sliding_window, chunk, q_valid=in_ctx)
-    scores = policy.prefill_scores(q, k, v, positions, ctx_len, mass, ctx, caps)  # [B, Hkv, T]
-    routed = jnp.maximum(0, ctx_len - s - caps.recent)  # tokens leaving the ring: S <= p < S + routed
+    out, mass = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
+    scores = policy.prefill_scores(q, k, v, positions, lengths, mass, ctx, caps)  # [B, Hkv, T]
+    routed = jnp.maximum(0, lengths - s - caps.recent)  # tokens leaving the ring: S <= p < S + routed
     eligible = (positions >= s) & (positions < s + routed[:, None])
     layer_cap = jnp.asarray(caps.layer_caps, jnp.int32)[ctx.layer] if caps.layer_caps else caps.pool_per_head
     pos, head, slot_score = select_pool(
@@ -640,10 +635,6 @@ def pool_prefill_layer(
             hp_score=slot_score.astype(jnp.float32),
             ring_hscore=jnp.where(ring_ok[:, None, :], ring_sc, 0.0).astype(jnp.float32),
         )
-    if policy.question_agnostic:
-        q_pos = jnp.where(positions < lengths[:, None], positions, -1)
-        late = pool_attention(q, q_pos, cache, ctx.cfg.sliding_window).out
-        out = jnp.where((positions >= ctx_len[:, None])[:, :, None, None], late, out)
     return out, cache
 
 

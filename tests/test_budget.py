@@ -116,7 +116,7 @@ def test_config_errors_are_clear():
         CacheConfig(ranking="random")
     with pytest.raises(ValueError, match="unknown method"):
         make_method("nope")
-    with pytest.raises(ValueError, match="unknown cache option"):
+    with pytest.raises(ValueError, match="has no option 'windw'"):
         make_method("qevict", windw=8)
 
 

@@ -45,7 +45,7 @@ def test_parser_defaults_and_wiring():
     assert parser.parse_args(["eval", "fidelity"]).targets == 64
 
 
-def needle_echo(model, prompts, sampler, method=None, seed=0, budget_rounding="bucket"):
+def needle_echo(model, prompts, sampler, method=None, seed=0, budget_rounding="bucket", **_):
     """A fake ``generate``: answers with every magic number of the prompt; bytes scale with the budget."""
     text = TOK.decode(prompts[0])
     answer = " " + ", ".join(re.findall(r"is: (\d+)\.", text))
@@ -138,7 +138,7 @@ def test_longbench_sweep(tmp_path, model):
 def test_gsm8k_sweep_with_injected_answers(tmp_path, model):
     answers = iter([" 48 / 2 = 24. 48 + 24 = 72. The answer is 72.\n\nQ: more", " I think 11."])
 
-    def fake(model, prompts, sampler, method=None, seed=0, budget_rounding="bucket"):
+    def fake(model, prompts, sampler, method=None, seed=0, budget_rounding="bucket", **_):
         assert TOK.decode(prompts[0]).endswith("\nA:")
         r = needle_echo(model, prompts, sampler, method)
         r.tokens = [TOK.encode(next(answers), add_bos=False)]

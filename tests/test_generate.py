@@ -49,7 +49,7 @@ def greedy_uncached(model: Transformer, prompt: list[int], n: int) -> list[int]:
 
 def test_cached_decoding_equals_uncached_forward(model):
     prompt = list(np.random.RandomState(0).randint(0, TINY.vocab_size, 37))
-    res = generate(model, [prompt], SamplerConfig(max_new_tokens=12))
+    res = generate(model, [prompt], SamplerConfig(max_new_tokens=12), kv_dtype=jnp.float32)
     assert res.tokens[0] == greedy_uncached(model, prompt, 12)
 
 
@@ -155,16 +155,17 @@ def test_teacher_forced_logprobs_equal_uncached_forward(model):
     rs = np.random.RandomState(4)
     prompt = list(rs.randint(0, TINY.vocab_size, 30))
     targets = rs.randint(0, TINY.vocab_size, (1, 9))
-    res = teacher_forced(model, [prompt], targets)
+    res = teacher_forced(model, [prompt], targets, kv_dtype=jnp.float32)
     seq = np.concatenate([prompt, targets[0]])
     ref, _ = model(jnp.asarray(seq)[None], jnp.arange(len(seq))[None])
     ref = jax.nn.log_softmax(ref[0, len(prompt) - 1 : -1], axis=-1)
     np.testing.assert_allclose(res.logprobs[0], ref, atol=2e-5)
 
 
-def test_question_agnostic_generation_keeps_the_question(model):
-    """Question-agnostic SnapKV needs the question start; with a budget that keeps the whole context it
-    generates exactly what Full-KV does (nothing was evicted, the question is stored uncompressed)."""
+@pytest.mark.parametrize("name", ["full", "qevict", "r2", "snapkv", "h2o", "streamingllm"])
+def test_question_agnostic_generation_with_room_for_everything_equals_full_kv(name):
+    """Question-agnostic mode (every method): the context is compressed, then the question appended; with a
+    budget that keeps everything it generates exactly what question-aware Full-KV does."""
     from dataclasses import replace
 
     from flax import nnx
@@ -176,10 +177,8 @@ def test_question_agnostic_generation_keeps_the_question(model):
     rs = np.random.RandomState(7)
     prompt = list(rs.randint(0, cfg.vocab_size, 300))
     sampler = SamplerConfig(max_new_tokens=6)
-    method = make_method("snapkv", 4.0, question_agnostic=True)
-    with pytest.raises(ValueError, match="question_starts"):
-        generate(m, [prompt], sampler, method)
+    method = make_method(name, 4.0)
     with pytest.raises(ValueError, match="outside"):
-        generate(m, [prompt], sampler, method, question_starts=[301])
-    res = generate(m, [prompt], sampler, method, question_starts=[280])
-    assert res.tokens == generate(m, [prompt], sampler).tokens
+        generate(m, [prompt], sampler, method, question_starts=[300])
+    res = generate(m, [prompt], sampler, method, question_starts=[280], kv_dtype=jnp.float32)
+    assert res.tokens == generate(m, [prompt], sampler, kv_dtype=jnp.float32).tokens

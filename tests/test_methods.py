@@ -11,7 +11,8 @@ import pytest
 from qevict_jax import generate as gen
 from qevict_jax.generate import SamplerConfig, bucket_floor, bucket_length, generate
 from qevict_jax.kv import full_kv_bytes
-from qevict_jax.methods import _VARIANTS, available_methods, make_method
+from qevict_jax.methods import available_methods, make_method
+from qevict_jax.qevict import VARIANTS
 
 BETA = 0.4
 NEW = 8
@@ -59,7 +60,7 @@ def kivi_expected_bytes(cfg, caps, batch: int, itemsize: int) -> int:
 def test_every_method_on_smollm2(smol, name):
     model, ids = smol
     cfg = model.cfg
-    kw = {"recent": 32} if name in _VARIANTS else {}
+    kw = {"recent": 32} if name in VARIANTS else {}
     method = make_method(name) if name == "full" else make_method(name, BETA, **kw)
     sampler = SamplerConfig(max_new_tokens=NEW)
     assert bucket_length(PROMPT) == bucket_length(PROMPT - 10)
@@ -71,7 +72,9 @@ def test_every_method_on_smollm2(smol, name):
     for leaf in jax.tree.leaves(res.cache):
         if jnp.issubdtype(leaf.dtype, jnp.floating):
             assert np.isfinite(np.asarray(leaf, np.float32)).all()
-    dtype = model.dtype
+    dtype = gen.DEFAULT_KV_DTYPE  # the cache is stored in 16 bits whatever the compute dtype
+    other = {jnp.dtype(t) for t in (jnp.float32, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(res.cache)} - other == {jnp.dtype(dtype)}  # K/V in bf16
     if getattr(method, "uses_budget", False):
         budget_tokens = bucket_floor(PROMPT) + NEW
         assert res.cache_bytes <= BETA * full_kv_bytes(cfg, budget_tokens, dtype)

@@ -26,17 +26,24 @@ def jitted_plan(nq: int, promotion: bool):
     return jax.jit(functools.partial(plan_routing, nq=nq, promotion=promotion))
 
 
-def reference_assignment(entries, nf, nq, promotion):
-    """entries: list of (window, score, was_q) in plan order -> (set in F, set in Q) by stable ranking."""
+def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset()):
+    """Tiers after one event by stable ranking: (set in F, set in Q).
+
+    entries: list of (window, score, was_q) in plan order; with_dormant: F windows holding a dormant entry.
+    The Q tier holds min(nq, nl - dormant entries after the event): F windows staying in F that hold one,
+    plus the Q windows promoted to F.
+    """
     order = sorted(range(len(entries)), key=lambda i: -entries[i][1])  # sorted() is stable
     f_set, q_set = set(), set()
     for i in order:
         win, _, was_q = entries[i]
         if len(f_set) < nf and (promotion or not was_q):
             f_set.add(win)
+    kept_dormant = sum(1 for win, _, was_q in entries if win in f_set and (was_q or win in with_dormant))
+    q_cap = min(nq, nl - kept_dormant)
     for i in order:
         win = entries[i][0]
-        if win not in f_set and len(q_set) < nq:
+        if win not in f_set and len(q_set) < q_cap:
             q_set.add(win)
     return f_set, q_set
 
@@ -58,6 +65,7 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
     led_active = np.zeros(nl, bool)
     led_score = np.zeros(nl, np.float32)
     evicted: set[int] = set()
+    quantized: set[int] = set()  # windows that ever had a ledger entry
     next_win = 0
     for _ in range(events):
         n_cand = int(rng.integers(0, k + 1))
@@ -78,7 +86,8 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
             int(w): i for i, (w, a) in enumerate(zip(led_win, led_active, strict=True)) if w >= 0 and not a
         }
         old_led_win = led_win.copy()
-        want_f, want_q = reference_assignment(entries, nf, nq, promotion)
+        old_f = {int(w) for w in fp_win if w >= 0}
+        want_f, want_q = reference_assignment(entries, nf, nq, nl, promotion, frozenset(old_dormant))
 
         plan = jax.tree.map(
             np.asarray, plan_fn(fp_win, fp_score, led_win, led_active, led_score, cand_win, cand_score)
@@ -98,7 +107,7 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         assert len(in_q) == int(led_active.sum()) <= nq
         assert len(set(dormant)) == len(dormant) and set(dormant) <= in_f  # dormant = copies of F windows
         assert not (led_active & (led_win < 0)).any()
-        # top NF ranked windows in F, next NQ in Q, the rest evicted
+        # top NF ranked windows in F, next min(NQ, NL - dormant) in Q, the rest evicted
         assert in_f == want_f and in_q == want_q
         evicted |= {w for w, _, _ in entries} - in_f - in_q
         # every window ever created is in exactly one state
@@ -106,10 +115,21 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         assert in_f | in_q | evicted == set(range(next_win))
         if not promotion:
             assert not (was_q & in_f)
-        # a demoted window with a dormant entry reactivates that same slot (its first codes)
+        # a dormant entry stays in its slot while its window stays in F, is reactivated in place when the
+        # window is demoted (its first codes), and is freed with it when it is evicted
         for w, slot in old_dormant.items():
-            if w in in_q:
+            if w in in_f:
+                assert led_win[slot] == w and not led_active[slot]
+            elif w in in_q:
                 assert led_win[slot] == w and led_active[slot]
+            else:
+                assert w not in led_win
+        # every quantized window in F keeps its codes (a dormant entry); so a window demoted F -> Q without
+        # one was never quantized before
+        assert {w for w in in_f if w in quantized} == set(dormant)
+        for w in (old_f & in_q) - set(old_dormant):
+            assert w not in quantized
+        quantized |= in_q
         # new ledger entries never displace an active entry: every active window kept its slot
         for i, w in enumerate(old_led_win):
             if w >= 0 and w in was_q and w in in_q:
@@ -117,6 +137,112 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         # counters
         assert int(plan.promotions) == len(was_q & in_f)
         assert int(plan.evictions) == len({w for w, _, _ in entries} - in_f - in_q)
+
+
+def run_plan(nq, promotion, fp, led, cand):
+    """plan_routing on lists: fp [(win, score)], led [(win, active, score)], cand [(win, score)]."""
+    i32 = lambda x: np.asarray(x, np.int32)
+    f32 = lambda x: np.asarray(x, np.float32)
+    plan = jitted_plan(nq, promotion)(
+        i32([w for w, _ in fp]),
+        f32([s for _, s in fp]),
+        i32([w for w, _, _ in led]),
+        np.asarray([a for _, a, _ in led], bool),
+        f32([s for _, _, s in led]),
+        i32([w for w, _ in cand]),
+        f32([s for _, s in cand]),
+    )
+    return jax.tree.map(lambda x: np.asarray(x).tolist(), plan)
+
+
+def test_full_ledger_evicts_the_lowest_q_window_instead_of_reclaiming_a_dormant_entry():
+    # NF=2, NL=3, nq=2: F windows 10 and 11 both hold dormant entries (slots 0, 1), window 20 is in Q.
+    # Candidate 30 outranks 20. The old policy kept Q = {20, 30} and put 30 into slot 0, dropping window
+    # 10's codes; now Q gets min(2, 3 - 2) = 1 window: 30 takes the slot of the evicted 20.
+    plan = run_plan(
+        2,
+        True,
+        fp=[(10, 9.0), (11, 8.0)],
+        led=[(10, False, 0.0), (11, False, 0.0), (20, True, 3.0)],
+        cand=[(30, 4.0)],
+    )
+    assert plan.fp_win == [10, 11] and plan.fp_score == [9.0, 8.0]
+    assert plan.led_win == [10, 11, 30] and plan.led_active == [False, False, True]
+    assert plan.led_score == [0.0, 0.0, 4.0]
+    assert plan.c2q_target == [2] and plan.c2f_target == [2] and plan.f2q_target == [3, 3]
+    assert (plan.promotions, plan.demotions, plan.evictions) == (0, 0, 1)
+
+
+def test_a_promotion_in_the_event_shrinks_q_and_keeps_every_dormant_entry():
+    # NF=2, NL=3, nq=2. F: 11 (score 9, dormant entry in slot 0), 10 (score 1, never quantized). Q: 20
+    # (score 8, slot 1), 21 (score 5, slot 2). Candidate 30 (score 6). Ranking 11, 20, 30, 21, 10: F = {11,
+    # 20} (20 promoted: slot 1 turns dormant), so Q holds min(2, 3 - 2) = 1 window: 30; 21 and 10 are
+    # evicted. The old policy kept Q = {30, 21} and gave 30 the dormant slot 0 of window 11.
+    plan = run_plan(
+        2,
+        True,
+        fp=[(11, 9.0), (10, 1.0)],
+        led=[(11, False, 0.0), (20, True, 8.0), (21, True, 5.0)],
+        cand=[(30, 6.0)],
+    )
+    assert plan.fp_win == [11, 20] and plan.fp_score == [9.0, 8.0]
+    assert plan.q2f_target == [2, 1, 2]
+    assert plan.led_win == [11, 20, 30] and plan.led_active == [False, False, True]
+    assert plan.c2q_target == [2] and plan.c2f_target == [2]
+    assert (plan.promotions, plan.demotions, plan.evictions) == (1, 0, 2)
+
+
+def test_a_window_evicted_from_f_frees_its_dormant_entry_for_a_newcomer():
+    # NF=2, NL=3, nq=3. F: 10 (score 1, dormant entry in slot 2), 11 (score 2, never quantized). Q: 20
+    # (score 9, slot 0); slot 1 is free. Candidates 30 (score 8), 31 (score 7). Ranking 20, 30, 31, 11, 10:
+    # F = {20, 30} (20 promoted: slot 0 turns dormant), Q holds min(3, 3 - 1) = 2: 31 and 11; 10 is evicted
+    # and its dormant slot 2 freed. Newcomers in order F slots, candidates: 11 -> slot 1, 31 -> slot 2.
+    plan = run_plan(
+        3,
+        True,
+        fp=[(10, 1.0), (11, 2.0)],
+        led=[(20, True, 9.0), (-1, False, 0.0), (10, False, 0.0)],
+        cand=[(30, 8.0), (31, 7.0)],
+    )
+    assert plan.fp_win == [20, 30] and plan.q2f_target == [0, 2, 2] and plan.c2f_target == [1, 2]
+    assert plan.led_win == [20, 11, 31] and plan.led_active == [False, True, True]
+    assert plan.f2q_target == [3, 1] and plan.c2q_target == [3, 2]
+    assert (plan.promotions, plan.demotions, plan.evictions) == (1, 1, 1)
+
+
+def test_a_demotion_reactivates_its_dormant_entry_in_place():
+    # as above but window 10 scores 6: ranking 20, 30, 31, 10, 11. F = {20, 30}, Q = {31, 10} (capacity
+    # min(3, 3 - 1) = 2); 10 reactivates slot 2 (no data moves: f2q_target none), 31 takes the free slot 1,
+    # 11 (never quantized) is evicted.
+    plan = run_plan(
+        3,
+        True,
+        fp=[(10, 6.0), (11, 2.0)],
+        led=[(20, True, 9.0), (-1, False, 0.0), (10, False, 0.0)],
+        cand=[(30, 8.0), (31, 7.0)],
+    )
+    assert plan.fp_win == [20, 30]
+    assert plan.led_win == [20, 31, 10] and plan.led_active == [False, True, True]
+    assert plan.led_score == [0.0, 7.0, 6.0]
+    assert plan.f2q_target == [3, 3] and plan.c2q_target == [3, 1]
+    assert (plan.promotions, plan.demotions, plan.evictions) == (1, 1, 1)
+
+
+def test_without_promotion_the_q_capacity_is_nq():
+    # NF=1, NL=3, nq=2; no dormant entry can exist. F: 10 (score 4). Q: 20 (9, slot 0), 21 (3, slot 1).
+    # Candidate 30 (5). F takes the top of F ∪ candidates: 30; Q the top 2 of the rest: 20, 10 (slot 2
+    # stays free: the cap is nq); 21 is evicted and 10 is quantized into its freed slot 1.
+    plan = run_plan(
+        2,
+        False,
+        fp=[(10, 4.0)],
+        led=[(20, True, 9.0), (21, True, 3.0), (-1, False, 0.0)],
+        cand=[(30, 5.0)],
+    )
+    assert plan.fp_win == [30] and plan.c2f_target == [0] and plan.q2f_target == [1, 1, 1]
+    assert plan.led_win == [20, 10, -1] and plan.led_active == [True, True, False]
+    assert plan.f2q_target == [1] and plan.c2q_target == [3]
+    assert (plan.promotions, plan.demotions, plan.evictions) == (0, 1, 1)
 
 
 # ------------------------------------------------------------------------------------- data migration

@@ -16,6 +16,14 @@ from typing import Any
 
 DEFAULT_METHODS = "full,streamingllm,h2o,snapkv,kivi2,r2,qevict"
 EVAL_TASKS = ("ruler", "longbench", "gsm8k", "fidelity")
+PROTECTED_RECENT: dict[str, int | float | None] = {
+    "ruler": 64,
+    "longbench": 128,
+    "gsm8k": 0.25,
+    "fidelity": None,
+}
+"""The QEvict paper's protected recent region per benchmark (tokens; GSM8K: a fraction of the budget), set on
+every method that has one; ``--recent`` overrides, None keeps each method's default."""
 
 
 def _floats(text: str) -> list[float]:
@@ -52,6 +60,26 @@ def _add_common(
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the task's generation length")
     p.add_argument("--no-chat", action="store_true", help="never wrap prompts in the chat template")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--recent",
+        type=lambda x: float(x) if "." in x else int(x),
+        default=None,
+        help="protected recent region (tokens, or a fraction of the budget) of every method that has one; "
+        "default: the benchmark's (RULER 64, LongBench 128, GSM8K 0.25)",
+    )
+    p.add_argument(
+        "--no-share-prefill",
+        action="store_true",
+        help="one prefill per method (default: the methods of a sample share one; TTFTs then include it)",
+    )
+
+
+def _add_question_agnostic(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--question-agnostic",
+        action="store_true",
+        help="compress each prompt's context before its question is seen, then append the question",
+    )
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
@@ -76,6 +104,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument(
         "--depths", default=None, help="needle depths in [0,1], cycled over samples (default seeded)"
     )
+    _add_question_agnostic(r)
 
     lb = sub.add_parser("longbench", help="LongBench's 12 English tasks from the official JSONL files")
     _add_common(
@@ -87,6 +116,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     )
     lb.add_argument("--data-dir", type=Path, required=True, help="folder with <task>.jsonl")
     lb.add_argument("--tasks", default="all", help=f"comma list or 'all': {', '.join(longbench.TASKS)}")
+    _add_question_agnostic(lb)
 
     g = sub.add_parser("gsm8k", help="GSM8K with the 8-shot chain-of-thought prompt")
     _add_common(g, lengths=None, samples=50, out="runs/gsm8k")
@@ -97,16 +127,40 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         f, lengths="2048,4096", samples=4, out="runs/fidelity", lengths_help="prefill lengths in tokens"
     )
     f.add_argument("--targets", type=int, default=64, help="teacher-forced tokens after the prefill")
+
+    rep = sub.add_parser("report", help="one table and plot from several sweep folders")
+    rep.add_argument(
+        "sources",
+        nargs="+",
+        help="result folders, each FOLDER or FOLDER:LABEL (LABEL is added to method names)",
+    )
+    rep.add_argument("--out", type=Path, required=True, help="where summary.md/csv and pareto.png go")
     return p
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Load the model and tokenizer named by ``--model``, then run the sweep."""
+    """Load the model and tokenizer named by ``--model``, then run the sweep (``report``: merge sweeps)."""
     from qevict_jax.cli import _eos_ids, _load
 
+    if args.eval_task == "report":
+        return cmd_report(args)
     precheck(args)
     cfg, model, tok = _load(args)
     run_eval(args, model, tok, _eos_ids(cfg, tok))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """``qevict eval report A B:label --out DIR``: the records of several sweeps in one table and plot."""
+    from qevict_jax.eval.sweep import merge_results, write_summary
+
+    sources = [
+        (src.rsplit(":", 1)[0], src.rsplit(":", 1)[1]) if ":" in src else (src, "") for src in args.sources
+    ]
+    records = merge_results(sources)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    print(write_summary(records, args.out))
+    print(f"plot: {Path(args.out) / 'pareto.png'}", file=sys.stderr)
     return 0
 
 
@@ -138,25 +192,41 @@ def run_eval(
     log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Run the sweep that ``args`` describes with a loaded model; print and return the records."""
+    from qevict_jax.cli import kv_dtype
     from qevict_jax.eval.harness import FidelityHarness, GenerationHarness, check_feasible, resolve_methods
     from qevict_jax.eval.sweep import check_config, expand_jobs, run_sweep, write_summary
+    from qevict_jax.methods import parse_set_options
 
     log = log or (lambda m: print(m, file=sys.stderr))
-    methods = resolve_methods(_names(args.methods), _floats(args.budgets), log)
     kind = args.eval_task
+    recent = args.recent if args.recent is not None else PROTECTED_RECENT[kind]
+    methods = resolve_methods(
+        _names(args.methods), _floats(args.budgets), log, parse_set_options(args.set), recent
+    )
     lengths = _ints(args.lengths) if hasattr(args, "lengths") else [0]
     config = _config(args)
     check_config(args.out, config)
     if kind == "fidelity":
         sample_fn = _fidelity_sampler(args, tokenizer)
-        harness: Any = FidelityHarness(model, methods, sample_fn, teacher_forced_fn)
+        harness: Any = FidelityHarness(model, methods, sample_fn, teacher_forced_fn, kv_dtype(args))
         jobs = expand_jobs(["fidelity"], list(methods), lengths, args.samples)
         extra, score_name = ("kl", "ppl_change"), "top-1 agreement (%)"
     else:
         tasks, prepare, samples = _generation_setup(args, tokenizer)
         if generate_fn is None:  # the real generate sizes caches: refuse infeasible budgets up front
-            check_feasible(model, methods, [prepare(t, n, 0) for t in tasks for n in lengths])
-        harness = GenerationHarness(model, tokenizer, methods, prepare, eos_ids, args.seed, generate_fn)
+            check_feasible(model, methods, [prepare(t, n, 0) for t in tasks for n in lengths], kv_dtype(args))
+        harness = GenerationHarness(
+            model,
+            tokenizer,
+            methods,
+            prepare,
+            eos_ids,
+            args.seed,
+            generate_fn,
+            kv_dtype=kv_dtype(args),
+            question_agnostic=getattr(args, "question_agnostic", False),
+            share_prefill=not args.no_share_prefill,
+        )
         jobs = expand_jobs(tasks, list(methods), lengths, samples)
         extra, score_name = (), "score"
     records = run_sweep(
@@ -170,7 +240,20 @@ def run_eval(
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     """What a job's key does not capture but its result depends on."""
-    keys = ("model", "dtype", "seed", "max_new_tokens", "no_chat", "haystack", "depths", "targets")
+    keys = (
+        "model",
+        "dtype",
+        "kv_dtype",
+        "seed",
+        "max_new_tokens",
+        "no_chat",
+        "haystack",
+        "depths",
+        "targets",
+        "recent",
+        "set",
+        "question_agnostic",
+    )
     config = {"eval": args.eval_task, **{k: getattr(args, k) for k in keys if hasattr(args, k)}}
     for k in ("data_dir", "data_file"):
         if hasattr(args, k):
@@ -232,8 +315,14 @@ def _ruler_setup(args: argparse.Namespace, tokenizer):
         )
         text = wrap(s.input) + s.answer_prefix.lstrip() if wrap else s.input + s.answer_prefix
         info = {"depths": list(s.depths), "haystack": s.haystack}
+        context_end = text.index(s.input) + s.input.index(s.context) + len(s.context)
         return Prepared(
-            tokenizer.encode(text), gen, list(s.outputs), functools.partial(ruler.ruler_score, s), info
+            tokenizer.encode(text),
+            gen,
+            list(s.outputs),
+            functools.partial(ruler.ruler_score, s),
+            info,
+            question_start=tokenizer.token_index(text, context_end),
         )
 
     return tasks, prepare, args.samples
@@ -256,7 +345,9 @@ def _longbench_setup(args: argparse.Namespace, tokenizer):
         gen = args.max_new_tokens or longbench.MAX_NEW_TOKENS[task]
         scorer = functools.partial(_longbench_score, task, rec.answers, rec.all_classes)
         info = {"id": rec.id, "data_length": rec.length}
-        return Prepared(tokenizer.encode(prompt), gen, list(rec.answers), scorer, info)
+        question = longbench.question_text(rec)
+        start = tokenizer.token_index(prompt, prompt.rindex(question)) if question in prompt else None
+        return Prepared(tokenizer.encode(prompt), gen, list(rec.answers), scorer, info, question_start=start)
 
     return tasks, prepare, {t: len(d) for t, d in data.items()}
 

@@ -30,16 +30,23 @@ class Prepared:
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # extra record fields
     stop_ids: tuple[int, ...] = ()  # extra end-of-answer tokens for this prompt
     annotate: Callable[[str], Mapping[str, Any]] | None = None  # prediction -> extra record fields
+    question_start: int | None = None  # index of the first question token (question-agnostic mode)
 
 
 def resolve_methods(
-    names: Sequence[str], budgets: Sequence[float], log: Callable[[str], None] = print
+    names: Sequence[str],
+    budgets: Sequence[float],
+    log: Callable[[str], None] = print,
+    scoped_options: Mapping[str | None, Mapping[str, Any]] | None = None,
+    recent: int | float | None = None,
 ) -> dict[tuple[str, float | None], Any]:
     """Method objects per (name, budget); names missing from ``available_methods()`` are skipped with a note.
 
-    A method without a ``budget`` attribute (Full-KV, fixed-bit quantization) appears once, with budget None.
+    scoped_options: ``methods.parse_set_options`` output (``--set``); recent: the benchmark's protected
+    recent region, set on every method that has one (``protects_recent``) unless ``--set`` gives it.
+    A method without a budget (Full-KV, fixed-bit quantization) appears once, with budget None.
     """
-    from qevict_jax.methods import available_methods, make_method
+    from qevict_jax.methods import available_methods, configure, make_method, options_for
 
     available = available_methods()
     methods: dict[tuple[str, float | None], Any] = {}
@@ -47,8 +54,11 @@ def resolve_methods(
         if name not in available:
             log(f"note: method {name!r} is not available (available: {', '.join(available)}); skipped")
             continue
+        options = options_for(name, scoped_options or {})
         for b in budgets:
-            method = make_method(name, b)
+            method = make_method(name, b, **options)
+            if recent is not None and method.protects_recent and "recent" not in options:
+                method = configure(method, None, recent=recent)
             methods.setdefault((name, method_budget(method, b)), method)
     if not methods:
         raise ValueError(f"none of the methods {', '.join(names)} is available")
@@ -56,7 +66,7 @@ def resolve_methods(
 
 
 def check_feasible(
-    model, methods: Mapping[tuple[str, float | None], Any], prompts: Sequence[Prepared]
+    model, methods: Mapping[tuple[str, float | None], Any], prompts: Sequence[Prepared], kv_dtype: Any
 ) -> None:
     """Size every method's cache for every planned prompt shape without computing anything
     (``jax.eval_shape``); raise one ValueError listing every infeasible (method, budget, prompt length)."""
@@ -74,7 +84,7 @@ def check_feasible(
 
             def init(method=method, lengths=lengths, n=n, p=p, tokens=tokens):
                 return method.init_cache(
-                    model.cfg, lengths, bucket_length(n), p.max_new_tokens, model.dtype, tokens
+                    model.cfg, lengths, bucket_length(n), p.max_new_tokens, kv_dtype, tokens
                 )
 
             try:
@@ -107,7 +117,14 @@ def _strip_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
 
 
 class GenerationHarness:
-    """Runs one generation job: prepare (cached per task/length/sample), generate, decode, score."""
+    """Runs one generation job: prepare (cached per task/length/sample), generate, decode, score.
+
+    The prompt pass does not depend on the method (a method only decides what its cache keeps), so by
+    default the methods of one (task, length, sample) share one prefill (``generate.generate_shared``):
+    at the sample's first job every method still pending for it (``plan``) runs from that prefill. Their
+    records carry ``shared_prefill`` (methods sharing it) and a ``ttft_s`` that includes the shared pass.
+    ``question_agnostic``: each prompt's context is compressed before its question is appended.
+    """
 
     def __init__(
         self,
@@ -118,26 +135,83 @@ class GenerationHarness:
         eos_ids: Sequence[int],
         seed: int = 0,
         generate_fn: Callable | None = None,
+        kv_dtype: Any = None,
+        question_agnostic: bool = False,
+        share_prefill: bool = True,
     ) -> None:
-        from qevict_jax.generate import generate
+        from qevict_jax.generate import DEFAULT_KV_DTYPE, generate
 
         self.model, self.tokenizer, self.methods = model, tokenizer, methods
         self.eos_ids = tuple(eos_ids)
         self.seed = seed
+        self.share_prefill = share_prefill and generate_fn is None
         self.generate_fn = generate_fn or generate
+        self.kv_dtype = DEFAULT_KV_DTYPE if kv_dtype is None else kv_dtype
+        self.question_agnostic = question_agnostic
         self.prepare = functools.lru_cache(maxsize=8)(prepare)
+        self._pending: dict[tuple, list[tuple[str, float | None]]] = {}
+        self._ready: dict[tuple[str, float | None], tuple[Any, float, int]] = {}
+        self._ready_key: tuple | None = None
+
+    def plan(self, jobs: Sequence[Job]) -> None:
+        """The jobs still to run (``run_sweep`` calls this first): which methods share each prefill."""
+        self._pending = {}
+        for j in jobs:
+            self._pending.setdefault((j.task, j.length, j.sample), []).append((j.method, j.budget))
+
+    def _generate(self, job: Job, p: Prepared, sampler) -> tuple[Any, float, int]:
+        """(result, wall seconds, methods that shared the prefill) of the job's method on prompt ``p``."""
+        from qevict_jax.generate import generate_shared
+
+        starts = [p.question_start] if self.question_agnostic else None
+        if self.question_agnostic and p.question_start is None:
+            raise ValueError(
+                f"{job.task}: this task's prompts have no question start (question-agnostic mode)"
+            )
+        if not self.share_prefill:
+            t0 = time.perf_counter()
+            res = self.generate_fn(
+                self.model,
+                [p.ids],
+                sampler,
+                self.methods[(job.method, job.budget)],
+                seed=self.seed,
+                question_starts=starts,
+                kv_dtype=self.kv_dtype,
+            )
+            return res, time.perf_counter() - t0, 1
+        key = (job.task, job.length, job.sample)
+        want = (job.method, job.budget)
+        if self._ready_key != key or want not in self._ready:
+            names = [w for w in self._pending.get(key, []) if w in self.methods]
+            names = names if want in names else [want]
+            t0 = time.perf_counter()
+            results = generate_shared(
+                self.model,
+                [p.ids],
+                sampler,
+                [self.methods[w] for w in names],
+                seed=self.seed,
+                question_starts=starts,
+                kv_dtype=self.kv_dtype,
+            )
+            wall = (time.perf_counter() - t0) / len(names)
+            for r in results:
+                r.cache = None  # only its byte count is recorded
+            self._ready = {w: (r, wall, len(names)) for w, r in zip(names, results, strict=True)}
+            self._ready_key = key
+        return self._ready.pop(want)
 
     def __call__(self, job: Job) -> dict[str, Any]:
         from qevict_jax.generate import SamplerConfig
+        from qevict_jax.methods import method_option
 
         p = self.prepare(job.task, job.length, job.sample)
         method = self.methods[(job.method, job.budget)]
         stops = tuple(dict.fromkeys(self.eos_ids + p.stop_ids))
         sampler = SamplerConfig(p.max_new_tokens, eos_ids=stops)
         traces = _trace_total()
-        t0 = time.perf_counter()
-        res = self.generate_fn(self.model, [p.ids], sampler, method, seed=self.seed)
-        wall = time.perf_counter() - t0
+        res, wall, shared = self._generate(job, p, sampler)
         prediction = self.tokenizer.decode(_strip_eos(res.tokens[0], stops))
         return {
             "score": 100.0 * p.score(prediction),
@@ -152,6 +226,10 @@ class GenerationHarness:
             "decode_tokens_per_s": res.decode_tokens_per_s,
             "wall_s": wall,
             "compiled": _trace_total() != traces,
+            "shared_prefill": shared,
+            "recent": method_option(method, "recent") if "recent" in method.options else None,
+            "question_agnostic": self.question_agnostic,
+            "question_tokens": len(p.ids) - p.question_start if p.question_start is not None else None,
             **p.info,
             **(p.annotate(prediction) if p.annotate else {}),
         }
@@ -166,9 +244,11 @@ class FidelityHarness:
         methods: Mapping[tuple[str, float | None], Any],
         sample_fn: Callable[[int, int], Any],
         teacher_forced_fn: Callable | None = None,
+        kv_dtype: Any = None,
     ) -> None:
-        from qevict_jax.generate import teacher_forced
+        from qevict_jax.generate import DEFAULT_KV_DTYPE, teacher_forced
 
+        self.kv_dtype = DEFAULT_KV_DTYPE if kv_dtype is None else kv_dtype
         self.model, self.methods = model, methods
         self.sample_fn = functools.lru_cache(maxsize=4)(sample_fn)
         self.teacher_forced_fn = teacher_forced_fn or teacher_forced
@@ -188,7 +268,8 @@ class FidelityHarness:
     def _run(self, s, method):
         import numpy as np
 
-        return self.teacher_forced_fn(self.model, [s.prefix], np.asarray([s.targets]), method), s
+        targets = np.asarray([s.targets])
+        return self.teacher_forced_fn(self.model, [s.prefix], targets, method, kv_dtype=self.kv_dtype), s
 
     def __call__(self, job: Job) -> dict[str, Any]:
         from qevict_jax.eval.fidelity import fidelity_stats

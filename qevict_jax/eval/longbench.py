@@ -186,6 +186,11 @@ def build_prompt(record: LongBenchRecord) -> str:
     return PROMPTS[record.task].format(context=record.context, input=record.input)
 
 
+def question_text(record: LongBenchRecord) -> str:
+    """The part of the record's prompt after its context (the question and instructions), filled in."""
+    return PROMPTS[record.task].split("{context}", 1)[1].format(input=record.input)
+
+
 def truncate_middle(
     prompt: str, max_length: int, encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str]
 ) -> str:

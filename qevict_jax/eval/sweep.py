@@ -144,8 +144,9 @@ def run_sweep(
 ) -> list[dict]:
     """Run every job not yet in ``results_path``, appending each record as soon as it is done.
 
-    ``run_job(job)`` returns the record's measured fields; the job's key fields are added. Returns the records
-    of all ``jobs`` (old and new) in job order.
+    ``run_job(job)`` returns the record's measured fields; the job's key fields are added. A ``run_job`` with a
+    ``plan(pending_jobs)`` method is told first which jobs will run. Returns the records of all ``jobs`` (old
+    and new) in job order.
     """
     from tqdm.auto import tqdm
 
@@ -156,6 +157,8 @@ def run_sweep(
     for rec in read_results(path):
         done.setdefault(record_key(rec), rec)
     pending = [j for j in jobs if j.key not in done]
+    if hasattr(run_job, "plan"):
+        run_job.plan(pending)
     bar = tqdm(
         total=len(jobs), initial=len(jobs) - len(pending), desc=desc, disable=not progress, unit="sample"
     )
@@ -170,6 +173,18 @@ def run_sweep(
     finally:
         bar.close()
     return [done[j.key] for j in jobs]
+
+
+def merge_results(sources: Sequence[tuple[str | Path, str]]) -> list[dict]:
+    """Records of several sweeps in one list, for one table and plot: each source is (folder, label); a
+    non-empty label is appended to the method names of that folder's records (``qevict (q-agnostic)``)."""
+    merged = []
+    for folder, label in sources:
+        records = read_results(Path(folder) / "results.jsonl")
+        if not records:
+            raise ValueError(f"{folder}: no results.jsonl records")
+        merged += [{**r, "method": f"{r['method']} ({label})" if label else r["method"]} for r in records]
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""QEvict: the three-tier window cache as a KV method, and its named configurations (the paper's R1-R4).
+
+Every variant is a ``CacheConfig`` over the same tiered machinery (``qevict_jax.tiered``): R1-R4 differ in
+window size and in whether the Q tier exists; "qevict-restkv" ranks the prompt's windows with the ReST-KV
+output-change score; "qevict-all" initializes the scores from every prompt query (the ablation of the
+observation-window initialization).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+
+from models.config import ModelConfig
+from models.model import LayerContext
+from pallas_kernels.dispatch import use_pallas
+from qevict_jax.config import CacheConfig, Capacities, num_windows, solve_capacities
+from qevict_jax.routing import route_row
+from qevict_jax.scoring import Ranking
+from qevict_jax.tiered import TieredCache, decode_layer, init_cache, prefill_layer
+
+QEVICT_OPTIONS = (
+    "sink",
+    "window",
+    "recent",
+    "omega",
+    "q_frac",
+    "bits",
+    "ranking",
+    "n_obs",
+    "pool",
+    "decay",
+    "p",
+    "promotion",
+    "prefill_chunk",
+    "kernel",
+    "budget_bytes",
+)
+"""Options of the window-tier methods (QEvict, R1-R4): fields of their ``CacheConfig``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QEvict:
+    """Three-tier window cache (F full precision, Q packed low-bit with a persistent ledger, evicted).
+
+    QEvict, arXiv 2608.05326. ``cache``: the static configuration (budget, window, tiers, ranking).
+    """
+
+    name: str = "qevict"
+    cache: CacheConfig = CacheConfig()
+    uses_budget: ClassVar[bool] = True
+    options: ClassVar[tuple[str, ...]] = QEVICT_OPTIONS
+    protects_recent: ClassVar[bool] = True
+
+    @property
+    def ranking(self) -> Ranking:
+        c = self.cache
+        return Ranking(c.ranking, c.decay, c.p, c.n_obs, c.pool)
+
+    def capacities(
+        self,
+        model_cfg: ModelConfig,
+        batch: int,
+        prompt_capacity: int,
+        max_new_tokens: int,
+        dtype: Any,
+        budget_tokens: int,
+    ) -> Capacities:
+        """Static buffer sizes for a batch (see ``config.solve_capacities``)."""
+        max_windows = num_windows(prompt_capacity + max_new_tokens, self.cache.sink, self.cache.window)
+        return solve_capacities(self.cache, model_cfg, batch, budget_tokens, dtype, max_windows=max_windows)
+
+    def init_cache(
+        self,
+        model_cfg: ModelConfig,
+        prompt_lengths: jax.Array,
+        prompt_capacity: int,
+        max_new_tokens: int,
+        dtype: Any,
+        budget_tokens: int,
+    ) -> TieredCache:
+        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
+        b = prompt_lengths.shape[0]
+        caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
+        return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
+
+    def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
+        """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
+        return prefill_layer(
+            q, k, v, layer_cache, ctx, self.ranking, self.cache.promotion, self.cache.prefill_chunk
+        )
+
+    def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+        """A routing event of every layer and row of a stacked cache (windows that left the recent region
+        compete, Q windows whose scores rose are promoted)."""
+        row_fn = lambda row: route_row(row, inv_freq, self.ranking, self.cache.promotion)
+        return jax.vmap(jax.vmap(row_fn))(cache)
+
+    def reserve(self, cache: TieredCache, total_tokens: int) -> TieredCache:
+        """The window tiers are sized by the byte budget, not the length: any length fits."""
+        return cache
+
+    def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
+        """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
+        return decode_layer(
+            q, k, v, layer_cache, ctx, self.ranking, self.cache.promotion, use_pallas(self.cache.kernel)
+        )
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "qevict": {},  # = R3
+    "r1": {"window": 1, "q_frac": 0.0},  # token-level eviction
+    "r2": {"window": 8, "q_frac": 0.0},  # two-tier window eviction
+    "r3": {"window": 8},
+    "r4": {"window": 32},
+    "qevict-nopromo": {"promotion": False},
+    "qevict-restkv": {"ranking": "restkv"},  # ReST-KV output-change ranking of the prompt's windows
+    "qevict-all": {"ranking": "cumulative-all"},  # scores initialized from every prompt query (ablation)
+}
+"""QEvict's named configurations (``CacheConfig`` fields over the defaults)."""

@@ -1,0 +1,216 @@
+"""The ledger stays bit-exact: over thousands of random routing events on a (nearly always) full ledger,
+with promotions and demotions, every window's ledger codes are the codes of its first quantization, and
+a promoted window's F copy is their dequantization.
+
+The code under test is ``plan_routing`` + ``apply_plan`` on a real one-row ``TieredCache``; the references
+are computed independently: each window's codes by ``quantize_windows`` of its original KV (one window at
+a time), tiers by a stable-sort ranking in Python.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_routing import reference_assignment
+
+from models.config import ModelConfig
+from qevict_jax.config import Capacities, ring_capacity
+from qevict_jax.routing import LEDGER_FIELDS, apply_plan, dequantize_windows, plan_routing, quantize_windows
+from qevict_jax.tiered import init_cache
+
+W, D, NF, NQ, K = 8, 8, 3, 4, 2
+MODEL = ModelConfig(
+    family="llama",
+    vocab_size=16,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=D,
+)
+INV_FREQ = jnp.asarray(MODEL.inv_freq(), jnp.float32)
+
+
+def caps_for(nl: int) -> Capacities:
+    return Capacities(
+        sink=2,
+        window=W,
+        recent=0,
+        ring=ring_capacity(0, W, 8),
+        nf=NF,
+        nq=NQ,
+        nl=nl,
+        nw_max=10**6,
+        bits=2,
+        omega=8,
+    )
+
+
+@functools.cache
+def jitted_event(nl: int, promotion: bool):
+    """One routing event of one row: (row, cand_win [K], cand_score [K], cand_k, cand_v) -> (row, plan)."""
+
+    def event(row, cand_win, cand_score, cand_k, cand_v):
+        plan = plan_routing(
+            row.fp_win,
+            row.fp_score,
+            row.led_win,
+            row.led_active,
+            row.led_score,
+            cand_win,
+            cand_score,
+            nq=row.caps.nq,
+            promotion=promotion,
+        )
+        return apply_plan(row, plan, cand_k, cand_v, cand_win, INV_FREQ), plan
+
+    return jax.jit(event)
+
+
+@functools.cache
+def jitted_reference(nl: int):
+    """Reference codes of one window and their dequantization: (k, v [Hkv, W, D], start) -> (codes, k, v)."""
+    bits = caps_for(nl).bits
+
+    def ref(k, v, start):
+        codes = quantize_windows(k[:, None], v[:, None], start[None], INV_FREQ, bits)
+        dk, dv = dequantize_windows(*codes, start[None], INV_FREQ, bits)
+        return tuple(c[:, 0] for c in codes), dk[:, 0], dv[:, 0]
+
+    return jax.jit(ref)
+
+
+@pytest.mark.parametrize(
+    "reserve, dtype, promotion, events",
+    [(1, jnp.float32, True, 2500), (2, jnp.bfloat16, True, 1500), (1, jnp.float32, False, 400)],
+)
+def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events):
+    nl = NQ + reserve
+    caps = caps_for(nl)
+    hkv = MODEL.num_kv_heads
+    step = jitted_event(nl, promotion)
+    reference = jitted_reference(nl)
+    row = jax.tree.map(lambda x: x[0, 0], init_cache(caps, MODEL, 1, dtype))
+    rng = np.random.default_rng(1234 + reserve)
+
+    orig: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # window -> its KV in the cache dtype, float32
+    ref_codes: dict[int, tuple[np.ndarray, ...]] = {}
+    ref_deq: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # dequantized codes, in the cache dtype
+    first_codes: dict[int, tuple[np.ndarray, ...]] = {}  # codes seen at a window's first ledger entry
+    ever_quantized: set[int] = set()
+    ever_promoted: set[int] = set()
+    evicted: set[int] = set()
+    next_win = 0
+    promotions = demotions = full_events = dormant_events = 0
+
+    for _ in range(events):
+        # resident windows' scores drift (coarse: ties are frequent), new candidates with random KV
+        fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.led_win)
+        led_active = np.asarray(row.led_active)
+        fp_score = np.where(fp_win >= 0, rng.integers(0, 6, NF), 0).astype(np.float32)
+        led_score = np.where(led_active, rng.integers(0, 6, nl), 0).astype(np.float32)
+        row = row.replace(fp_score=jnp.asarray(fp_score), led_score=jnp.asarray(led_score))
+        n_cand = int(rng.integers(0, K + 1))
+        cand_win = np.full(K, -1, np.int32)
+        cand_win[:n_cand] = np.arange(next_win, next_win + n_cand)
+        cand_score = rng.integers(0, 6, K).astype(np.float32)
+        kv = rng.standard_normal((2, hkv, K, W, D)).astype(np.float32) * 2.0
+        kv = np.asarray(jnp.asarray(kv).astype(dtype).astype(jnp.float32))  # the ring holds the cache dtype
+        for j in range(n_cand):
+            w = next_win + j
+            orig[w] = (kv[0, :, j], kv[1, :, j])
+            codes, dk, dv = reference(*map(jnp.asarray, orig[w]), jnp.int32(caps.sink + w * W))
+            ref_codes[w] = tuple(np.asarray(c) for c in codes)
+            ref_deq[w] = (np.asarray(dk.astype(dtype)), np.asarray(dv.astype(dtype)))
+        next_win += n_cand
+
+        old_f = {int(w) for w in fp_win if w >= 0}
+        old_active = {int(w) for w, a in zip(led_win, led_active, strict=True) if a}
+        old_dormant = {
+            int(w): i for i, (w, a) in enumerate(zip(led_win, led_active, strict=True)) if w >= 0 and not a
+        }
+        entries = [(int(w), float(s), False) for w, s in zip(fp_win, fp_score, strict=True) if w >= 0]
+        entries += [
+            (int(w), float(s), True) for w, s, a in zip(led_win, led_score, led_active, strict=True) if a
+        ]
+        entries += [(int(w), float(s), False) for w, s in zip(cand_win, cand_score, strict=True) if w >= 0]
+        want_f, want_q = reference_assignment(entries, NF, NQ, nl, promotion, frozenset(old_dormant))
+
+        row, _ = step(
+            row, jnp.asarray(cand_win), jnp.asarray(cand_score), jnp.asarray(kv[0]), jnp.asarray(kv[1])
+        )
+        fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.led_win)
+        led_active = np.asarray(row.led_active)
+        fp_k = np.asarray(row.fp_k.astype(jnp.float32))
+        fp_v = np.asarray(row.fp_v.astype(jnp.float32))
+        ledger = [np.asarray(getattr(row, name)) for name in LEDGER_FIELDS]
+
+        in_f = [int(w) for w in fp_win if w >= 0]
+        in_q = [int(w) for w, a in zip(led_win, led_active, strict=True) if a]
+        dormant = [int(w) for w, a in zip(led_win, led_active, strict=True) if w >= 0 and not a]
+        # capacities; no window twice in a tier; no window in two tiers except a dormant copy of an F window
+        assert len(in_f) == len(set(in_f)) <= NF
+        assert len(in_q) == len(set(in_q)) <= NQ
+        assert len(dormant) == len(set(dormant)) and set(dormant) <= set(in_f)
+        assert not set(in_f) & set(in_q)
+        assert not (led_active & (led_win < 0)).any()
+        # tiers follow the ranking with Q capacity min(NQ, NL - dormant)
+        assert set(in_f) == want_f and set(in_q) == want_q
+        # a window never returns after eviction
+        evicted |= {w for w, _, _ in entries} - set(in_f) - set(in_q)
+        assert not evicted & (set(in_f) | set(in_q))
+        assert set(in_f) | set(in_q) | evicted == set(range(next_win))
+        if not promotion:
+            assert not dormant and not old_active & set(in_f)
+
+        # dormant entries stay put while their window is in F, and are reactivated in place
+        for w, slot in old_dormant.items():
+            if w in in_f or w in in_q:
+                assert led_win[slot] == w and bool(led_active[slot]) == (w in in_q)
+        # a window demoted F -> Q without a dormant entry was never quantized before
+        for w in (old_f & set(in_q)) - set(old_dormant):
+            assert w not in ever_quantized
+        # every ever-quantized window in F holds its codes in a dormant entry
+        assert {w for w in in_f if w in ever_quantized} == set(dormant)
+
+        # every ledger entry (active or dormant) holds exactly the first codes of its window
+        for slot, w in enumerate(led_win):
+            if w < 0:
+                continue
+            w = int(w)
+            codes = tuple(x[:, slot] for x in ledger)
+            if w not in first_codes:
+                assert w not in ever_quantized
+                first_codes[w] = codes
+                ever_quantized.add(w)
+            for name, got, first, want in zip(
+                LEDGER_FIELDS, codes, first_codes[w], ref_codes[w], strict=True
+            ):
+                assert np.array_equal(got, first), (name, w)
+                assert np.array_equal(got, want), (name, w)
+        # F copies: a promoted window holds the dequantization of its first codes, the others their own KV
+        ever_promoted |= old_active & set(in_f)
+        for slot, w in enumerate(fp_win):
+            if w < 0:
+                continue
+            want_k, want_v = ref_deq[int(w)] if w in ever_promoted else orig[int(w)]
+            assert np.array_equal(fp_k[:, slot], want_k), ("fp_k", int(w))
+            assert np.array_equal(fp_v[:, slot], want_v), ("fp_v", int(w))
+
+        promotions += len(old_active & set(in_f))
+        demotions += len(old_f & set(in_q))
+        # full: every ledger slot used (with promotion), or the Q tier at its capacity NQ (without)
+        full_events += bool((led_win >= 0).all()) if promotion else len(in_q) == NQ
+        dormant_events += bool(dormant)
+
+    assert int(row.promotions) == promotions and int(row.demotions) == demotions
+    assert demotions > events // 10 and full_events > events // 4  # the checks above are not vacuous
+    if promotion:
+        assert promotions > events // 10 and dormant_events > events // 4
+        # re-promotions of the same window happened (its F copy was rebuilt from the same codes)
+        assert len(ever_promoted) < promotions
