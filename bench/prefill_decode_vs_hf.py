@@ -38,8 +38,11 @@ def main() -> None:
     g = args.new_tokens
     sampler = SamplerConfig(max_new_tokens=g)  # no EOS: always decode g tokens
 
-    generate(model, [ids], sampler)  # compile
-    ours = generate(model, [ids], sampler)
+    import jax.numpy as jnp
+
+    # f32 KV, as transformers' f32 eager cache: the same arithmetic on both sides
+    generate(model, [ids], sampler, kv_dtype=jnp.float32)  # compile
+    ours = generate(model, [ids], sampler, kv_dtype=jnp.float32)
 
     torch.set_num_threads(2)
     gguf = registered_source("smollm2-135m-instruct")

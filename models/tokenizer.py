@@ -150,16 +150,6 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     # ------------------------------------------------------------------ text
-    def token_index(self, text: str, char_offset: int) -> int:
-        """Index in ``encode(text)`` of the first token of ``text[char_offset:]``: the length of the longest
-        common prefix of ``encode(text)`` and ``encode(text[:char_offset])`` (a token merged across the
-        boundary counts as after it). Used to split a prompt into context and question tokens."""
-        full, head = self.encode(text), self.encode(text[:char_offset])
-        n = 0
-        while n < min(len(full), len(head)) and full[n] == head[n]:
-            n += 1
-        return n
-
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special-token strings in the text become their ids.
 
@@ -361,3 +351,14 @@ class Tokenizer:
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             extra_eos_token_ids=extra_eos,
         )
+
+
+def token_index(tokenizer: Any, text: str, char_offset: int) -> int:
+    """Index in ``tokenizer.encode(text)`` of the first token of ``text[char_offset:]``: the length of the
+    longest common prefix of the encodings of ``text`` and ``text[:char_offset]`` (a token merged across the
+    boundary counts as after it). Splits a prompt into context and question tokens."""
+    full, head = tokenizer.encode(text), tokenizer.encode(text[:char_offset])
+    n = 0
+    while n < min(len(full), len(head)) and full[n] == head[n]:
+        n += 1
+    return n

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from models.tokenizer import token_index
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -156,7 +157,7 @@ def _encode_prompt(tok, context: str, question: str | None, chat: bool) -> tuple
     ids = tok.encode(text)
     if question is None:
         return ids, len(ids)
-    return ids, tok.token_index(text, text.index(user) + len(context))
+    return ids, token_index(tok, text, text.index(user) + len(context))
 
 
 def cmd_generate(args) -> int:

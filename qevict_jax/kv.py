@@ -66,17 +66,41 @@ def cache_nbytes(cache: Any) -> int:
     return int(sum(leaf.nbytes for leaf in jax.tree.leaves(cache)))
 
 
+def to_words(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` in the storage form of ``dtype``: a 16-bit float is kept as its raw 16-bit words (uint16).
+
+    XLA's CPU backend rewrites a scatter or dynamic-update-slice on a 16-bit float buffer into f32 and back,
+    converting the *whole* buffer (17 ms per write into SmolLM2's 2K stacked cache, against microseconds on
+    uint16 words): the uncompressed cache, written one token per layer per step, is kept as words.
+    """
+    x = x.astype(dtype)
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(dtype).itemsize == 2 else x
+
+
+def from_words(words: jax.Array, dtype: Any) -> jax.Array:
+    """Inverse of ``to_words``: the values in ``dtype``."""
+    return jax.lax.bitcast_convert_type(words, dtype) if words.dtype != jnp.dtype(dtype) else words
+
+
 @struct.dataclass
 class FullCache:
     """Uncompressed KV cache (per layer; stacked caches carry a leading [L] axis on every field).
 
-    k, v: [B, Hkv, C, D] post-RoPE keys and values, slot index = absolute position.
+    k, v: [B, Hkv, C, D] post-RoPE keys and values, slot index = absolute position, in the storage form of
+    ``dtype`` (``to_words``: uint16 words of a 16-bit float; ``keys()``/``values()`` give the values).
     length: [B] int32 tokens written so far.
     """
 
     k: jax.Array
     v: jax.Array
     length: jax.Array
+    dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
+
+    def keys(self) -> jax.Array:
+        return from_words(self.k, self.dtype)
+
+    def values(self) -> jax.Array:
+        return from_words(self.v, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +125,8 @@ class FullKV:
         cap = prompt_capacity + max_new_tokens
         shape = (model_cfg.num_layers, b, model_cfg.num_kv_heads, cap, model_cfg.head_dim)
         length = jnp.broadcast_to(prompt_lengths.astype(jnp.int32), (model_cfg.num_layers, b))
-        return FullCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=length)
+        zeros = to_words(jnp.zeros(shape, dtype), dtype)
+        return FullCache(k=zeros, v=zeros, length=length, dtype=jnp.dtype(dtype))
 
     def route(self, cache: FullCache, inv_freq: jax.Array) -> FullCache:
         return cache
@@ -121,8 +146,8 @@ class FullKV:
         )
         at = (ctx.layer, 0, 0, 0, 0)
         cache = cache.replace(
-            k=jax.lax.dynamic_update_slice(cache.k, k.swapaxes(1, 2)[None].astype(cache.k.dtype), at),
-            v=jax.lax.dynamic_update_slice(cache.v, v.swapaxes(1, 2)[None].astype(cache.v.dtype), at),
+            k=jax.lax.dynamic_update_slice(cache.k, to_words(k.swapaxes(1, 2)[None], cache.dtype), at),
+            v=jax.lax.dynamic_update_slice(cache.v, to_words(v.swapaxes(1, 2)[None], cache.dtype), at),
         )
         return out, cache
 
@@ -136,8 +161,8 @@ class FullKV:
                 q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk
             )
         cache = cache.replace(
-            k=jax.lax.dynamic_update_slice(cache.k, k.swapaxes(1, 2).astype(cache.k.dtype), (0, 0, 0, 0)),
-            v=jax.lax.dynamic_update_slice(cache.v, v.swapaxes(1, 2).astype(cache.v.dtype), (0, 0, 0, 0)),
+            k=jax.lax.dynamic_update_slice(cache.k, to_words(k.swapaxes(1, 2), cache.dtype), (0, 0, 0, 0)),
+            v=jax.lax.dynamic_update_slice(cache.v, to_words(v.swapaxes(1, 2), cache.dtype), (0, 0, 0, 0)),
         )
         return out, cache
 
@@ -145,13 +170,14 @@ class FullKV:
         """q [B, 1, H, D], k, v [B, 1, Hkv, D]; cache: stacked [L, ...]. One token per row, in place."""
         pos = ctx.positions[:, 0]
         rows = jnp.arange(pos.shape[0])
-        kbuf = cache.k.at[ctx.layer, rows, :, pos].set(k[:, 0].astype(cache.k.dtype))
-        vbuf = cache.v.at[ctx.layer, rows, :, pos].set(v[:, 0].astype(cache.v.dtype))
-        k_layer, v_layer = kbuf[ctx.layer], vbuf[ctx.layer]  # [B, Hkv, C, D]
+        kbuf = cache.k.at[ctx.layer, rows, :, pos].set(to_words(k[:, 0], cache.dtype))
+        vbuf = cache.v.at[ctx.layer, rows, :, pos].set(to_words(v[:, 0], cache.dtype))
+        k_layer = from_words(kbuf[ctx.layer], cache.dtype)  # [B, Hkv, C, D]
+        v_layer = from_words(vbuf[ctx.layer], cache.dtype)
         b, cap = k_layer.shape[0], k_layer.shape[2]
         k_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
         out, _ = dense_attention(
             q, k_layer.swapaxes(1, 2), v_layer.swapaxes(1, 2), ctx.positions, k_pos, ctx.cfg.sliding_window
         )
         length = cache.length.at[ctx.layer].set(pos + 1)
-        return out, FullCache(k=kbuf, v=vbuf, length=length)
+        return out, cache.replace(k=kbuf, v=vbuf, length=length)

@@ -70,8 +70,8 @@ def method_option(method: KVMethod, name: str) -> Any:
     """The current value of option ``name`` of ``method`` (its own field, else its cache's)."""
     if name not in method.options:
         raise ValueError(f"method {method.name!r} has no option {name!r}")
-    cache = getattr(method, "cache", None)
-    return getattr(method, name) if hasattr(method, name) else getattr(cache, name)
+    own = {f.name for f in dataclasses.fields(method)} - {"name", "cache"}
+    return getattr(method, name) if name in own else getattr(method.cache, name)
 
 
 def cache_stats(cache: TieredCache) -> dict[str, Any]:

@@ -162,7 +162,8 @@ def test_benchmark_recent_region_reaches_methods_that_protect_one():
     assert method_option(methods[("qevict", 0.2)], "recent") == 64
     assert method_option(methods[("snapkv", 0.2)], "recent") == 64
     assert method_option(methods[("h2o", 0.2)], "recent") == 0.5  # H2O's heavy/recent split is its own
-    assert method_option(methods[("kivi2", None)], "recent") == 128  # KIVI's residual
+    by_name = {name: m for (name, _), m in methods.items()}
+    assert method_option(by_name["kivi2"], "recent") == 128  # KIVI's residual
     explicit = resolve_methods(["qevict"], [0.2], scoped_options={None: {"recent": 128}}, recent=64)
     assert method_option(explicit[("qevict", 0.2)], "recent") == 128
     assert dataclasses.is_dataclass(methods[("full", None)])

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from models.tokenizer import token_index
+
 DEFAULT_METHODS = "full,streamingllm,h2o,snapkv,kivi2,r2,qevict"
 EVAL_TASKS = ("ruler", "longbench", "gsm8k", "fidelity")
 PROTECTED_RECENT: dict[str, int | float | None] = {
@@ -66,6 +68,12 @@ def _add_common(
         default=None,
         help="protected recent region (tokens, or a fraction of the budget) of every method that has one; "
         "default: the benchmark's (RULER 64, LongBench 128, GSM8K 0.25)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="samples of one task and length generated together (memory ratios are per row)",
     )
     p.add_argument(
         "--no-share-prefill",
@@ -226,6 +234,7 @@ def run_eval(
             kv_dtype=kv_dtype(args),
             question_agnostic=getattr(args, "question_agnostic", False),
             share_prefill=not args.no_share_prefill,
+            batch=args.batch,
         )
         jobs = expand_jobs(tasks, list(methods), lengths, samples)
         extra, score_name = (), "score"
@@ -322,7 +331,7 @@ def _ruler_setup(args: argparse.Namespace, tokenizer):
             list(s.outputs),
             functools.partial(ruler.ruler_score, s),
             info,
-            question_start=tokenizer.token_index(text, context_end),
+            question_start=token_index(tokenizer, text, context_end),
         )
 
     return tasks, prepare, args.samples
@@ -346,7 +355,7 @@ def _longbench_setup(args: argparse.Namespace, tokenizer):
         scorer = functools.partial(_longbench_score, task, rec.answers, rec.all_classes)
         info = {"id": rec.id, "data_length": rec.length}
         question = longbench.question_text(rec)
-        start = tokenizer.token_index(prompt, prompt.rindex(question)) if question in prompt else None
+        start = token_index(tokenizer, prompt, prompt.rindex(question)) if question in prompt else None
         return Prepared(tokenizer.encode(prompt), gen, list(rec.answers), scorer, info, question_start=start)
 
     return tasks, prepare, {t: len(d) for t, d in data.items()}

@@ -116,6 +116,38 @@ def _strip_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens
 
 
+@dataclasses.dataclass
+class RowResult:
+    """One row of a (batched) generation: its tokens, its share of the cache bytes (every cache leaf is
+    [L, B, ...], so a row holds 1/B of them), Full-KV's bytes at its final length, the batch's timings."""
+
+    tokens: list[int]
+    cache_bytes: float
+    full_kv_bytes: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    batch: int
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.cache_bytes / self.full_kv_bytes
+
+    @classmethod
+    def of(cls, res: Any, row: int) -> RowResult:
+        """Row ``row`` of a ``GenerationResult``."""
+        b = len(res.tokens)
+        full = res.full_kv_bytes  # linear in the tokens: a row's share is its final length's
+        if b > 1:
+            final = res.prompt_lengths[row] + len(res.tokens[row]) - 1
+            full = round(full * final / _total_final(res))
+        return cls(res.tokens[row], res.cache_bytes / b, int(full), res.ttft_s, res.decode_tokens_per_s, b)
+
+
+def _total_final(res: Any) -> int:
+    """Tokens of every row's final length (the denominator of a batch's Full-KV bytes)."""
+    return sum(n + len(t) - 1 for n, t in zip(res.prompt_lengths, res.tokens, strict=True))
+
+
 class GenerationHarness:
     """Runs one generation job: prepare (cached per task/length/sample), generate, decode, score.
 
@@ -138,68 +170,80 @@ class GenerationHarness:
         kv_dtype: Any = None,
         question_agnostic: bool = False,
         share_prefill: bool = True,
+        batch: int = 1,
     ) -> None:
         from qevict_jax.generate import DEFAULT_KV_DTYPE, generate
 
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
         self.model, self.tokenizer, self.methods = model, tokenizer, methods
         self.eos_ids = tuple(eos_ids)
         self.seed = seed
         self.share_prefill = share_prefill and generate_fn is None
+        self.batch = batch if self.share_prefill else 1
         self.generate_fn = generate_fn or generate
         self.kv_dtype = DEFAULT_KV_DTYPE if kv_dtype is None else kv_dtype
         self.question_agnostic = question_agnostic
-        self.prepare = functools.lru_cache(maxsize=8)(prepare)
-        self._pending: dict[tuple, list[tuple[str, float | None]]] = {}
-        self._ready: dict[tuple[str, float | None], tuple[Any, float, int]] = {}
-        self._ready_key: tuple | None = None
+        self.prepare = functools.lru_cache(maxsize=64)(prepare)
+        self._groups: dict[tuple, tuple[list[int], list[tuple[str, float | None]]]] = {}
+        self._ready: dict[tuple, tuple[RowResult, float, int]] = {}
 
     def plan(self, jobs: Sequence[Job]) -> None:
-        """The jobs still to run (``run_sweep`` calls this first): which methods share each prefill."""
-        self._pending = {}
+        """The jobs still to run (``run_sweep`` calls this first): the samples of one (task, length) are cut
+        into groups of ``batch`` that run together, every method still pending for them from one prefill."""
+        pending: dict[tuple, dict[int, list[tuple[str, float | None]]]] = {}
         for j in jobs:
-            self._pending.setdefault((j.task, j.length, j.sample), []).append((j.method, j.budget))
+            per_sample = pending.setdefault((j.task, j.length), {})
+            per_sample.setdefault(j.sample, []).append((j.method, j.budget))
+        self._groups = {}
+        for (task, length), per_sample in pending.items():
+            samples = list(per_sample)
+            for i in range(0, len(samples), self.batch):
+                group = samples[i : i + self.batch]
+                names = list(dict.fromkeys(w for s in group for w in per_sample[s]))
+                for s in group:
+                    self._groups[(task, length, s)] = (group, names)
 
-    def _generate(self, job: Job, p: Prepared, sampler) -> tuple[Any, float, int]:
-        """(result, wall seconds, methods that shared the prefill) of the job's method on prompt ``p``."""
+    def _generate(self, job: Job, p: Prepared, sampler) -> tuple[RowResult, float, int]:
+        """(row result, wall seconds per method and row, methods sharing the prefill) of ``job``."""
         from qevict_jax.generate import generate_shared
 
-        starts = [p.question_start] if self.question_agnostic else None
         if self.question_agnostic and p.question_start is None:
             raise ValueError(
                 f"{job.task}: this task's prompts have no question start (question-agnostic mode)"
             )
-        if not self.share_prefill:
-            t0 = time.perf_counter()
-            res = self.generate_fn(
-                self.model,
-                [p.ids],
-                sampler,
-                self.methods[(job.method, job.budget)],
-                seed=self.seed,
-                question_starts=starts,
-                kv_dtype=self.kv_dtype,
-            )
-            return res, time.perf_counter() - t0, 1
+        want = (job.task, job.length, job.sample, job.method, job.budget)
+        if want in self._ready:
+            return self._ready.pop(want)
         key = (job.task, job.length, job.sample)
-        want = (job.method, job.budget)
-        if self._ready_key != key or want not in self._ready:
-            names = [w for w in self._pending.get(key, []) if w in self.methods]
-            names = names if want in names else [want]
-            t0 = time.perf_counter()
+        group, names = self._groups.get(key, ([job.sample], [(job.method, job.budget)]))
+        if not self.share_prefill or (job.method, job.budget) not in names:
+            group, names = [job.sample], [(job.method, job.budget)]
+        prompts = [self.prepare(job.task, job.length, s) for s in group]
+        starts = [q.question_start for q in prompts] if self.question_agnostic else None
+        t0 = time.perf_counter()
+        if self.share_prefill:
             results = generate_shared(
                 self.model,
-                [p.ids],
+                [q.ids for q in prompts],
                 sampler,
                 [self.methods[w] for w in names],
                 seed=self.seed,
                 question_starts=starts,
                 kv_dtype=self.kv_dtype,
             )
-            wall = (time.perf_counter() - t0) / len(names)
-            for r in results:
-                r.cache = None  # only its byte count is recorded
-            self._ready = {w: (r, wall, len(names)) for w, r in zip(names, results, strict=True)}
-            self._ready_key = key
+        else:
+            method = self.methods[names[0]]
+            results = [
+                self.generate_fn(
+                    self.model, [p.ids], sampler, method, seed=self.seed, question_starts=starts,
+                    kv_dtype=self.kv_dtype,
+                )
+            ]  # fmt: skip
+        wall = (time.perf_counter() - t0) / (len(names) * len(group))
+        for name, res in zip(names, results, strict=True):
+            for row, s in enumerate(group):
+                self._ready[(job.task, job.length, s, *name)] = (RowResult.of(res, row), wall, len(names))
         return self._ready.pop(want)
 
     def __call__(self, job: Job) -> dict[str, Any]:
@@ -212,7 +256,7 @@ class GenerationHarness:
         sampler = SamplerConfig(p.max_new_tokens, eos_ids=stops)
         traces = _trace_total()
         res, wall, shared = self._generate(job, p, sampler)
-        prediction = self.tokenizer.decode(_strip_eos(res.tokens[0], stops))
+        prediction = self.tokenizer.decode(_strip_eos(res.tokens, stops))
         return {
             "score": 100.0 * p.score(prediction),
             "prediction": prediction,
@@ -221,12 +265,13 @@ class GenerationHarness:
             "cache_bytes": res.cache_bytes,
             "full_kv_bytes": res.full_kv_bytes,
             "prompt_tokens": len(p.ids),
-            "new_tokens": len(res.tokens[0]),
+            "new_tokens": len(res.tokens),
             "ttft_s": res.ttft_s,
             "decode_tokens_per_s": res.decode_tokens_per_s,
             "wall_s": wall,
             "compiled": _trace_total() != traces,
             "shared_prefill": shared,
+            "batch": res.batch,
             "recent": method_option(method, "recent") if "recent" in method.options else None,
             "question_agnostic": self.question_agnostic,
             "question_tokens": len(p.ids) - p.question_start if p.question_start is not None else None,
