@@ -9,7 +9,7 @@ DEMO_QA_METHODS ?= snapkv,qevict
 DEMO_LENGTHS ?= 2048
 DEMO_BUDGETS ?= 0.2
 DEMO_SAMPLES ?= 10
-DEMO_ARGS = --tasks $(DEMO_TASKS) --lengths $(DEMO_LENGTHS) --budgets $(DEMO_BUDGETS) --samples $(DEMO_SAMPLES) --max-new-tokens 32
+DEMO_ARGS = --tasks $(DEMO_TASKS) --lengths $(DEMO_LENGTHS) --budgets $(DEMO_BUDGETS) --samples $(DEMO_SAMPLES) --batch $(DEMO_SAMPLES) --max-new-tokens 32
 
 .PHONY: demo test lint bench-decode install clean
 

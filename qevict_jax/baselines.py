@@ -33,7 +33,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
 from models.model import LayerContext
 from qevict_jax.config import (
     CacheConfig,
@@ -46,7 +45,13 @@ from qevict_jax.config import (
 )
 from qevict_jax.qevict import QEvict
 from qevict_jax.scoring import criticalkv_scores, observation_attention, restkv_scores, snapkv_scores
-from qevict_jax.tiered import TieredCache, init_cache, pool_decode_layer, pool_prefill_layer, route_pool_row
+from qevict_jax.tiered import (
+    SizedByCapacities,
+    TieredCache,
+    pool_decode_layer,
+    pool_prefill_layer,
+    route_pool_row,
+)
 
 # ---------------------------------------------------------------------------------------------- window layouts
 
@@ -105,7 +110,7 @@ class KIVI(QEvict):
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolMethod:
+class PoolMethod(SizedByCapacities):
     """Shared base of the per-head token-pool baselines (layout "pool"): sizing, prefill, decode.
 
     Subclasses implement ``prefill_scores`` (token scores [B, Hkv, T], higher = keep) and, for decode-time
@@ -135,20 +140,6 @@ class PoolMethod:
     def layer_caps(self, per_head: int, num_layers: int, prefix: int) -> tuple[int, ...]:
         """Per-layer pool fill; () = every layer fills ``per_head`` slots per head."""
         return ()
-
-    def init_cache(
-        self,
-        model_cfg: ModelConfig,
-        prompt_lengths: jax.Array,
-        prompt_capacity: int,
-        max_new_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-    ) -> TieredCache:
-        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
-        b = prompt_lengths.shape[0]
-        caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
-        return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
 
     def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
         """A decode-time eviction event of every layer and row now (identity for compress-once pools)."""

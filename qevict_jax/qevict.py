@@ -19,7 +19,7 @@ from pallas_kernels.dispatch import use_pallas
 from qevict_jax.config import CacheConfig, Capacities, num_windows, solve_capacities
 from qevict_jax.routing import route_row
 from qevict_jax.scoring import Ranking
-from qevict_jax.tiered import TieredCache, decode_layer, init_cache, prefill_layer
+from qevict_jax.tiered import SizedByCapacities, TieredCache, decode_layer, prefill_layer
 
 QEVICT_OPTIONS = (
     "sink",
@@ -42,7 +42,7 @@ QEVICT_OPTIONS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class QEvict:
+class QEvict(SizedByCapacities):
     """Three-tier window cache (F full precision, Q packed low-bit with a persistent ledger, evicted).
 
     QEvict, arXiv 2608.05326. ``cache``: the static configuration (budget, window, tiers, ranking).
@@ -71,20 +71,6 @@ class QEvict:
         """Static buffer sizes for a batch (see ``config.solve_capacities``)."""
         max_windows = num_windows(prompt_capacity + max_new_tokens, self.cache.sink, self.cache.window)
         return solve_capacities(self.cache, model_cfg, batch, budget_tokens, dtype, max_windows=max_windows)
-
-    def init_cache(
-        self,
-        model_cfg: ModelConfig,
-        prompt_lengths: jax.Array,
-        prompt_capacity: int,
-        max_new_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-    ) -> TieredCache:
-        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
-        b = prompt_lengths.shape[0]
-        caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
-        return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
 
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""

@@ -137,6 +137,24 @@ def init_cache(
     )
 
 
+class SizedByCapacities:
+    """Mixin of the methods whose cache is a ``TieredCache`` sized by their ``capacities(...)``."""
+
+    def init_cache(
+        self,
+        model_cfg: ModelConfig,
+        prompt_lengths: jax.Array,
+        prompt_capacity: int,
+        max_new_tokens: int,
+        dtype: Any,
+        budget_tokens: int,
+    ) -> TieredCache:
+        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
+        b = prompt_lengths.shape[0]
+        caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
+        return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
+
+
 def abstract_cache(caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any) -> TieredCache:
     """Shapes and dtypes of the stacked cache, without allocating (``jax.eval_shape``)."""
     return jax.eval_shape(lambda: init_cache(caps, model_cfg, batch, dtype))

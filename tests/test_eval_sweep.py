@@ -208,3 +208,23 @@ def test_plot_does_not_touch_the_global_backend(tmp_path):
     # per task first, then over tasks: h2o = mean(25, 0) at memory mean(0.21, 0.2)
     assert pts["h2o"] == [(pytest.approx(0.205), pytest.approx(12.5))]
     assert os.path.getsize(tmp_path / "p.png") > 0
+
+
+def test_pivot_table_has_one_line_per_method_and_a_column_per_task():
+    from qevict_jax.eval.sweep import pivot_markdown, summary_rows
+
+    records = [
+        {"task": t, "method": m, "budget": b, "length": 2048, "sample": i, "score": s, "memory_ratio": mem}
+        for t, m, b, s, mem in [
+            ("a", "full", None, 100.0, 1.0),
+            ("b", "full", None, 50.0, 1.0),
+            ("a", "qevict", 0.2, 80.0, 0.2),
+            ("b", "qevict", 0.2, 40.0, 0.2),
+        ]
+        for i in range(2)
+    ]
+    lines = pivot_markdown(summary_rows(records)).splitlines()
+    assert lines[0] == "| method | budget β | a | b | mean score | memory ratio |"
+    assert lines[2] == "| full | - | 100.0 (2) | 50.0 (2) | 75.0 | 1.000 |"
+    assert lines[3] == "| qevict | 0.2 | 80.0 (2) | 40.0 (2) | 60.0 | 0.200 |"
+    assert len(lines) == 4

@@ -303,6 +303,28 @@ def markdown_table(
     return "\n".join(lines)
 
 
+def pivot_markdown(rows: Sequence[Mapping[str, Any]], score_name: str = "score") -> str:
+    """Compact Markdown: one line per (method, budget), one column per task (score and sample count), the
+    mean over tasks and the measured memory ratio; lengths pooled ("all" rows when there are several)."""
+    lengths = {r["length"] for r in rows}
+    pooled = "all" if "all" in lengths else next(iter(lengths), None)
+    keep = [r for r in rows if r["length"] == pooled]
+    tasks = [t for t in dict.fromkeys(r["task"] for r in keep) if t != "average"]
+    methods = list(dict.fromkeys((r["method"], r["budget"]) for r in keep))
+    by = {(r["task"], r["method"], r["budget"]): r for r in keep}
+    head = ["method", "budget β", *tasks, f"mean {score_name}", "memory ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, b in methods:
+        cells = [m, _budget(b)]
+        for t in tasks:
+            r = by.get((t, m, b))
+            cells.append(f"{_fmt(r['score'], 1)} ({r['n']})" if r else "-")
+        avg = by.get(("average", m, b)) or by.get((tasks[0], m, b)) if tasks else None
+        cells += [_fmt(avg["score"], 1) if avg else "-", _fmt(avg["memory_ratio"], 3) if avg else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_summary(
     records: Sequence[Mapping[str, Any]],
     out_dir: str | Path,
@@ -314,7 +336,9 @@ def write_summary(
     out = Path(out_dir)
     rows = summary_rows(records, extra)
     table = markdown_table(rows, extra, score_name)
-    (out / "summary.md").write_text(table + "\n", encoding="utf-8")
+    (out / "summary.md").write_text(
+        table + "\n\n" + pivot_markdown(rows, score_name) + "\n", encoding="utf-8"
+    )
     write_csv(rows, out / "summary.csv", extra)
     if plot and records:
         from qevict_jax.eval.plots import pareto_plot
