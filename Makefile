@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check qevict_jax pallas_kernels models tests bench
-	$(PY) -m pytest -q -p no:cacheprovider
+	ulimit -s unlimited 2>/dev/null || true; $(PY) -m pytest -q -p no:cacheprovider
 
 bench-decode: $(STAMP)
 	$(PY) bench/decode_cpu.py

@@ -78,7 +78,7 @@ def test_appended_question_mass_promotes_q_windows(model):
 def test_shared_prefill_equals_one_prefill_per_method(model):
     rs = np.random.RandomState(14)
     prompts = [list(rs.randint(0, 97, 300)), list(rs.randint(0, 97, 280))]
-    names = ["full", "qevict", "snapkv", "r2"]
+    names = ["full", "qevict", "snapkv"]
     methods = [make_method(n, 0.3, **({"recent": 32} if n in ("qevict", "r2") else {})) for n in names]
     sampler = SamplerConfig(max_new_tokens=5)
     shared = generate_shared(model, prompts, sampler, methods, kv_dtype=F32)
