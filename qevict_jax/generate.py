@@ -23,24 +23,47 @@ from qevict_jax.kv import FullKV, KVMethod, cache_nbytes, full_kv_bytes
 
 # How many times each jitted function has been traced (one trace = one compilation); read by tests.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
-# Ahead-of-time compiled executables, keyed by function, static arguments and dynamic shapes/dtypes.
-_EXECUTABLES: dict[Any, Any] = {}
 
 
-def _run_compiled(jitted, static: dict[int, Any], *args) -> tuple[Any, float]:
-    """Call ``jitted(*args)`` through a cached AOT executable; returns (outputs, seconds spent compiling).
+class ExecutableCache:
+    """Ahead-of-time compiled executables, keyed by function, static arguments and dynamic shapes/dtypes.
 
-    Compiling ahead of time keeps compilation out of the measured time to first token.
+    Compiling ahead of time keeps compilation out of the measured time to first token. The cache keeps the
+    ``capacity`` most recently used executables: each XLA CPU executable holds its machine code in memory
+    mappings of its own, and an unbounded cache in a long process (a sweep over many shapes, the test suite)
+    runs into the kernel's limit on mappings (``vm.max_map_count``), where the compiler crashes.
     """
-    dynamic = [a for i, a in enumerate(args) if i not in static]
-    leaves, treedef = jax.tree.flatten(dynamic)
-    key = (jitted, tuple(sorted(static.items())), treedef, tuple((x.shape, x.dtype) for x in leaves))
-    compile_s = 0.0
-    if key not in _EXECUTABLES:
-        t0 = time.perf_counter()
-        _EXECUTABLES[key] = jitted.lower(*args).compile()
-        compile_s = time.perf_counter() - t0
-    return _EXECUTABLES[key](*dynamic), compile_s
+
+    def __init__(self, capacity: int = 48) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._executables: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._executables)
+
+    def clear(self) -> None:
+        self._executables.clear()
+
+    def run(self, jitted, static: dict[int, Any], *args) -> tuple[Any, float]:
+        """Call ``jitted(*args)`` through a cached executable; returns (outputs, seconds spent compiling)."""
+        dynamic = [a for i, a in enumerate(args) if i not in static]
+        leaves, treedef = jax.tree.flatten(dynamic)
+        key = (jitted, tuple(sorted(static.items())), treedef, tuple((x.shape, x.dtype) for x in leaves))
+        compile_s = 0.0
+        if key in self._executables:
+            self._executables.move_to_end(key)
+        else:
+            t0 = time.perf_counter()
+            self._executables[key] = jitted.lower(*args).compile()
+            compile_s = time.perf_counter() - t0
+            while len(self._executables) > self.capacity:
+                self._executables.popitem(last=False)
+        return self._executables[key](*dynamic), compile_s
+
+
+EXECUTABLES = ExecutableCache()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,7 +447,7 @@ def generate_shared(
         groups = [(list(range(len(methods))), Fanout(tuple(methods)), budgets)]
     for members, prefill_method, budget_tokens in groups:
         t0 = time.perf_counter()
-        (first, caches), compile_s = _run_compiled(
+        (first, caches), compile_s = EXECUTABLES.run(
             _prefill_jit,
             {0: graphdef, 5: prefill_method, 6: sampler, 7: budget_tokens, 8: capacity_new, 9: kv_dtype},
             graphdef,
@@ -472,7 +495,7 @@ def _continue(
     positions = np.asarray(start, np.int32)
     if turns:
         chunk, counts = _pad_prompts(turns, chunk_capacity(max(len(t) for t in turns)))
-        (first, cache), c = _run_compiled(
+        (first, cache), c = EXECUTABLES.run(
             _append_jit,
             {0: graphdef, 7: method, 8: sampler},
             graphdef,
@@ -489,7 +512,7 @@ def _continue(
         positions = positions + counts
     first.block_until_ready()
     t1 = time.perf_counter()
-    (out, counts, steps, cache), compile_decode = _run_compiled(
+    (out, counts, steps, cache), compile_decode = EXECUTABLES.run(
         _decode_jit,
         {0: graphdef, 6: method, 7: sampler},
         graphdef,
@@ -573,7 +596,7 @@ def teacher_forced(
     tokens, lengths = _pad_prompts(prompts)
     budget_tokens = _budget_tokens(method, lengths, targets.shape[1], budget_rounding)
     graphdef, state = nnx.split(model)
-    (logprobs, cache), _ = _run_compiled(
+    (logprobs, cache), _ = EXECUTABLES.run(
         _teacher_forced_jit,
         {0: graphdef, 5: method, 6: budget_tokens, 7: kv_dtype},
         graphdef,

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
+import jax
 import pytest
+
+from qevict_jax import generate
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop every compiled executable after each test module.
+
+    XLA CPU maps each executable's machine code separately; keeping every program the suite compiles alive in
+    one process exhausts the kernel's mapping limit (vm.max_map_count, 65530) late in the run, where LLVM
+    segfaults inside a compile.
+    """
+    yield
+    generate.EXECUTABLES.clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

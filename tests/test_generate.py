@@ -117,6 +117,20 @@ def test_one_compilation_per_bucket(model):
     assert gen.TRACE_COUNTS["prefill"] - mid.get("prefill", 0) == 1
 
 
+
+def test_executable_cache_keeps_the_most_recent_executables():
+    cache = gen.ExecutableCache(capacity=2)
+    double = jax.jit(lambda x: 2 * x)
+    compiles = []
+    for n in (1, 2, 1, 3, 2, 1):  # shapes; capacity 2 drops the least recently used one
+        out, seconds = cache.run(double, {}, jnp.ones(n))
+        np.testing.assert_array_equal(out, 2 * np.ones(n))
+        compiles.append(seconds > 0)
+    assert compiles == [True, True, False, True, True, True]
+    assert len(cache) == 2
+    with pytest.raises(ValueError, match="capacity"):
+        gen.ExecutableCache(capacity=0)
+
 def test_bucket_lengths():
     assert bucket_length(1) == 64
     assert bucket_length(64) == 64

@@ -1,0 +1,116 @@
+"""Asymmetric INT2 / INT4 quantization with bit packing (KIVI-style; DESIGN §4).
+
+A *group* is the set of elements that share one grid ``(scale, zero)``:
+
+- keys (pre-RoPE): one grid per channel over a window, ``k [..., W, D]`` -> codes ``[..., D, W*bits/8]``;
+- values: one grid per token over head_dim, ``v [..., W, D]`` -> codes ``[..., W, D*bits/8]``.
+
+Grid: ``scale = (max - min) / (2^bits - 1)`` (1 where max == min), stored with ``min`` in float16. The f16
+grid is rounded *outward* (min rounded down, scale rounded up) so that it still covers ``[min, max]``; codes
+are computed against that f16 grid, hence ``|x - x_hat| <= scale_f16 / 2`` for every element (up to f32
+rounding). Dequantization is ``x_hat = code * scale + zero`` in float32.
+
+Packing: element ``i`` of a group goes to byte ``i // (8 // bits)`` at bit shift ``(i % (8 // bits)) * bits``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_BITS = (2, 4)
+
+
+def _per_byte(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    return 8 // bits
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+    """Pack codes [..., N] (integers in [0, 2^bits)) into bytes [..., N * bits / 8] uint8."""
+    per = _per_byte(bits)
+    n = codes.shape[-1]
+    if n % per:
+        raise ValueError(f"group size {n} is not a multiple of {per} (needed to pack {bits}-bit codes)")
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], n // per, per)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    shifted = jnp.left_shift(c, shifts)
+    # the shifted fields are disjoint, so a sum is a bitwise or
+    return jnp.sum(shifted, axis=-1, dtype=jnp.uint8)
+
+
+def unpack(packed: jax.Array, bits: int) -> jax.Array:
+    """Unpack bytes [..., M] uint8 into codes [..., M * 8 / bits] uint8."""
+    per = _per_byte(bits)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    mask = jnp.uint8((1 << bits) - 1)
+    fields = jnp.right_shift(packed.astype(jnp.uint8)[..., None], shifts) & mask
+    return fields.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _round_down_f16(x: jax.Array) -> jax.Array:
+    """Largest float16 <= x (x float32)."""
+    h = x.astype(jnp.float16)
+    return jnp.where(h.astype(jnp.float32) > x, jnp.nextafter(h, jnp.float16(-jnp.inf)), h)
+
+
+def _round_up_f16(x: jax.Array) -> jax.Array:
+    """Smallest float16 >= x (x float32)."""
+    h = x.astype(jnp.float16)
+    return jnp.where(h.astype(jnp.float32) < x, jnp.nextafter(h, jnp.float16(jnp.inf)), h)
+
+
+def quantize_groups(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantize each group x [..., N] (last axis = one group) to ``bits`` bits.
+
+    Returns (codes [..., N * bits / 8] uint8 packed, scale [...] float16, zero [...] float16).
+    """
+    levels = (1 << bits) - 1
+    xf = x.astype(jnp.float32)
+    lo = jnp.min(xf, axis=-1)
+    hi = jnp.max(xf, axis=-1)
+    zero = _round_down_f16(lo)
+    raw = (hi - zero.astype(jnp.float32)) / levels
+    scale = _round_up_f16(raw)
+    # the f32 division can fall short by an ulp; the grid must still reach max
+    short = zero.astype(jnp.float32) + levels * scale.astype(jnp.float32) < hi
+    scale = jnp.where(short, jnp.nextafter(scale, jnp.float16(jnp.inf)), scale)
+    # constant groups (and ranges so small that the f16 scale underflows) get scale 1
+    scale = jnp.where((hi == lo) | (scale == 0), jnp.float16(1.0), scale)
+    s32 = scale.astype(jnp.float32)[..., None]
+    z32 = zero.astype(jnp.float32)[..., None]
+    codes = jnp.clip(jnp.round((xf - z32) / s32), 0, levels).astype(jnp.uint8)
+    return pack(codes, bits), scale, zero
+
+
+def dequantize_groups(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
+    """Inverse of ``quantize_groups``: codes [..., N * bits / 8], scale, zero [...] -> x_hat [..., N] f32."""
+    c = unpack(codes, bits).astype(jnp.float32)
+    return c * scale.astype(jnp.float32)[..., None] + zero.astype(jnp.float32)[..., None]
+
+
+def quantize_keys(k: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-channel quantization of pre-RoPE keys over a window.
+
+    k [..., W, D] -> (codes [..., D, W * bits / 8] uint8, scale [..., D] f16, zero [..., D] f16).
+    """
+    return quantize_groups(jnp.swapaxes(k, -1, -2), bits)
+
+
+def dequantize_keys(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
+    """codes [..., D, W * bits / 8], scale, zero [..., D] -> pre-RoPE keys [..., W, D] float32."""
+    return jnp.swapaxes(dequantize_groups(codes, scale, zero, bits), -1, -2)
+
+
+def quantize_values(v: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-token quantization of values over head_dim.
+
+    v [..., W, D] -> (codes [..., W, D * bits / 8] uint8, scale [..., W] f16, zero [..., W] f16).
+    """
+    return quantize_groups(v, bits)
+
+
+def dequantize_values(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
+    """codes [..., W, D * bits / 8], scale, zero [..., W] -> values [..., W, D] float32."""
+    return dequantize_groups(codes, scale, zero, bits)
