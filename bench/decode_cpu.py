@@ -1,58 +1,90 @@
-"""Decode speed of QEvict (β = 0.2) vs Full-KV on SmolLM2-135M-Instruct, CPU, one process.
+"""Decode speed of QEvict vs Full-KV on SmolLM2-135M-Instruct, CPU, one process.
 
-For each context length: TTFT, decode tokens/s and step latency of Full-KV and QEvict, the routing share of
-QEvict's decode time (one routing event of every layer, jitted and timed alone on the final cache, times the
-number of routing events, over the decode time), and the measured memory ratio. The last line is the
-headline ratio.
-Usage: python bench/decode_cpu.py [--contexts 4000,8000] [--new-tokens 64] [--budget 0.2] [--repeats 2]
+For each context length and batch size: TTFT, ms per decode step, decode tokens/s and the measured memory
+ratio of Full-KV and of QEvict (β = 0.2, 16-bit KV), QEvict once with the Q tier read by the CPU kernel
+(``pallas_kernels.cpu_ledger``) and once by the jnp reference. The routing share is measured in the loop:
+QEvict's decode time minus that of the same cache with decode-time routing switched off (same shapes),
+over QEvict's decode time. With ``--hf``, Hugging Face transformers' eager Full-KV on the same prompt
+(batch 1) is the outside reference.
+
+Usage: python bench/decode_cpu.py [--contexts 4000,8000] [--batches 1,4] [--new-tokens 64] [--hf]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import time
+
+import jax
+
+from models.checkpoint import load_model
+from models.registry import registered_source, resolve_model
+from models.tokenizer import Tokenizer
+from qevict_jax.generate import EXECUTABLES, GenerationResult, SamplerConfig, generate
+from qevict_jax.methods import make_method
+from qevict_jax.needle import needle_prompt_text, needle_sample
+from qevict_jax.qevict import QEvict
 
 
-def timed(model, ids, sampler, method, repeats: int):
-    """Best of ``repeats`` runs (``generate`` compiles ahead of time and excludes compilation from its
-    timings, so no warm-up run is needed)."""
-    from qevict_jax.generate import generate
+@dataclasses.dataclass(frozen=True)
+class QEvictNoRouting(QEvict):
+    """QEvict with the same buffers but no decode-time routing: the baseline of the routing share."""
 
-    runs = [generate(model, [ids], sampler, method) for _ in range(repeats)]
-    return min(runs, key=lambda r: r.decode_s), min(r.ttft_s for r in runs)
+    def capacities(self, *args, **kwargs):
+        return dataclasses.replace(super().capacities(*args, **kwargs), decode_routing=False)
 
 
-def routing_seconds(cache, model, method, repeats: int = 5) -> float:
-    """Seconds of one routing event over all layers and rows of a stacked ``TieredCache``."""
-    import time
+def release_compiled() -> None:
+    """Forget every compiled program and trace (the next call traces and compiles again)."""
+    EXECUTABLES.clear()
+    jax.clear_caches()
 
-    import jax
-    import jax.numpy as jnp
 
-    inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
-    route = jax.jit(lambda c: method.route(c, inv_freq))
-    jax.block_until_ready(route(cache))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(route(cache))
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def timed(model, prompts, sampler, method, repeats: int) -> GenerationResult:
+    """The run with the fastest decode of ``repeats`` (compilation is ahead of time and excluded)."""
+    runs = [generate(model, prompts, sampler, method) for _ in range(repeats)]
+    return min(runs, key=lambda r: r.decode_s)
+
+
+def hf_eager(path, ids: list[int], new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(TTFT s, decode s per step) of transformers' eager Full-KV greedy decoding, float32, CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = registered_source("smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    hf.eval()
+    x = torch.tensor([ids])
+    best = (float("inf"), float("inf"))
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = hf(x, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            ttft = time.perf_counter() - t0
+            past = out.past_key_values
+            t0 = time.perf_counter()
+            for _ in range(new_tokens - 1):
+                out = hf(tok, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            step = (time.perf_counter() - t0) / (new_tokens - 1)
+            best = min(best, (ttft, step), key=lambda r: r[1])
+    return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="4000,8000")
+    ap.add_argument("--batches", default="1,4")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-reference", action="store_true", help="skip QEvict through the jnp reference")
+    ap.add_argument("--hf", action="store_true", help="also time transformers' eager Full-KV (batch 1)")
     args = ap.parse_args()
-
-    from models.checkpoint import load_model
-    from models.registry import resolve_model
-    from models.tokenizer import Tokenizer
-    from qevict_jax.generate import SamplerConfig
-    from qevict_jax.methods import make_method
-    from qevict_jax.needle import needle_prompt_text, needle_sample
 
     path = resolve_model("smollm2-135m-instruct")
     cfg, model = load_model(path)
@@ -61,52 +93,55 @@ def main() -> None:
     sampler = SamplerConfig(max_new_tokens=g)  # no EOS: every run decodes g tokens
     full = make_method("full", 1.0)
     qevict = make_method("qevict", args.budget)
+    no_routing = QEvictNoRouting(**{f.name: getattr(qevict, f.name) for f in dataclasses.fields(qevict)})
 
-    rows = []
+    print(
+        f"SmolLM2-135M-Instruct, f32 compute, bf16 KV, CPU, {g} new tokens (greedy, no EOS); "
+        f"QEvict β={args.budget}, Ω={qevict.cache.omega}, W={qevict.cache.window}"
+    )
+    print(
+        "| prompt tokens | batch | method | TTFT (s) | ms/step | tok/s | tok/s vs Full-KV | TTFT vs Full-KV "
+        "| routing share | memory ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    steps = g - 1
     for ctx in [int(c) for c in args.contexts.split(",")]:
-        s = needle_sample(0, ctx - 100, lambda t: len(tok.encode(t, add_bos=False)))
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": needle_prompt_text(s)}], add_generation_prompt=True
-        )
-        ids = tok.encode(text + s.answer_prefix)
-        f_res, f_ttft = timed(model, ids, sampler, full, args.repeats)
-        q_res, q_ttft = timed(model, ids, sampler, qevict, args.repeats)
-        steps = g - 1
-        events = int(q_res.cache.routing_events[0, 0])
-        share = events * routing_seconds(q_res.cache, model, qevict) / q_res.decode_s
-        rows.append(
-            (
-                len(ids),
-                f_ttft,
-                q_ttft,
-                f_res.decode_s / steps,
-                q_res.decode_s / steps,
-                share,
-                q_res.memory_ratio,
-                steps / f_res.decode_s,
-                steps / q_res.decode_s,
+        for batch in [int(b) for b in args.batches.split(",")]:
+            prompts = []
+            for i in range(batch):
+                s = needle_sample(i, ctx - 100, lambda t: len(tok.encode(t, add_bos=False)))
+                text = tok.apply_chat_template(
+                    [{"role": "user", "content": needle_prompt_text(s)}], add_generation_prompt=True
+                )
+                prompts.append(tok.encode(text + s.answer_prefix))
+            rows = [("full", timed(model, prompts, sampler, full, args.repeats))]
+            paths = [("qevict (CPU kernel)", "1")] + (
+                [] if args.no_reference else [("qevict (jnp ref)", "0")]
             )
-        )
-
-    print(
-        f"SmolLM2-135M-Instruct f32 on CPU, {g} new tokens, QEvict β={args.budget} (Ω={qevict.cache.omega}, "
-        f"W={qevict.cache.window})"
-    )
-    print(
-        "| prompt tokens | TTFT full (s) | TTFT qevict (s) | TTFT ratio | step full (ms) | step qevict (ms) "
-        "| tok/s full | tok/s qevict | tok/s ratio | routing share | memory ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for p, ft, qt, fs, qs, share, mem, ftps, qtps in rows:
-        print(
-            f"| {p} | {ft:.3f} | {qt:.3f} | {qt / ft:.3f} | {fs * 1e3:.1f} | {qs * 1e3:.1f} | {ftps:.1f} | "
-            f"{qtps:.1f} | {qtps / ftps:.2f} | {share:.1%} | {mem:.3f} |"
-        )
-    worst = max(rows, key=lambda r: r[0])
-    print(
-        f"headline at {worst[0]} tokens: QEvict/Full-KV decode tok/s = {worst[8] / worst[7]:.2f}x, "
-        f"TTFT = {worst[2] / worst[1]:.3f}x, routing share = {worst[5]:.1%}"
-    )
+            for label, flag in paths:
+                os.environ["QEVICT_CPU_KERNEL"] = flag
+                release_compiled()  # the kernel choice is made at trace time
+                res = timed(model, prompts, sampler, qevict, args.repeats)
+                base = timed(model, prompts, sampler, no_routing, args.repeats)
+                rows.append((label, res, max(0.0, res.decode_s - base.decode_s) / res.decode_s))
+            os.environ.pop("QEVICT_CPU_KERNEL")
+            release_compiled()
+            f_res = rows[0][1]
+            f_tps = steps * batch / f_res.decode_s
+            for label, res, *share in rows:
+                tps = steps * batch / res.decode_s
+                print(
+                    f"| {len(prompts[0])} | {batch} | {label} | {res.ttft_s:.3f} | {res.decode_s / steps * 1e3:.1f} "
+                    f"| {tps:.1f} | {tps / f_tps:.2f}x | {res.ttft_s / f_res.ttft_s:.2f}x "
+                    f"| {f'{share[0]:.1%}' if share else '-'} | {res.memory_ratio:.3f} |"
+                )
+            if args.hf and batch == 1:
+                ttft, step = hf_eager(path, prompts[0], g, args.repeats)
+                print(
+                    f"| {len(prompts[0])} | 1 | transformers eager (Full-KV) | {ttft:.3f} | {step * 1e3:.1f} "
+                    f"| {1 / step:.1f} | {(1 / step) / f_tps:.2f}x | {ttft / f_res.ttft_s:.2f}x | - | - |"
+                )
+    print("tok/s and TTFT ratios are against this project's Full-KV in the same process and row.")
 
 
 if __name__ == "__main__":

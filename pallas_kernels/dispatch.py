@@ -1,13 +1,19 @@
-"""When to run the Pallas kernels, and how (compiled on a GPU, interpreted elsewhere).
+"""Which kernel runs where.
 
-The kernels lower to Triton through Pallas on a GPU; on any other backend they only run in Pallas'
-interpret mode (slow, for tests), so callers use the pure-jnp references there unless forced.
+The Pallas kernels lower to Triton on a GPU; on any other backend they only run in Pallas' interpret mode
+(slow, for tests), so callers use the pure-jnp references there unless forced. On the CPU, decode attention
+over the packed ledger runs the FFI kernel of ``cpu_ledger`` when it builds.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import cpu_ledger
+from pallas_kernels.reference import ledger_attention_reference
 
 
 def on_gpu() -> bool:
@@ -34,3 +40,18 @@ def triton_params(num_warps: int, num_stages: int):
     """Triton compiler parameters (``pltriton.CompilerParams``; ``TritonCompilerParams`` in older jax)."""
     cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
     return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def use_cpu_kernel() -> bool:
+    """Whether decode attention over the ledger runs the CPU kernel (``cpu_ledger``): on the CPU backend,
+    when it builds, unless ``QEVICT_CPU_KERNEL=0``."""
+    if jax.default_backend() != "cpu" or os.environ.get("QEVICT_CPU_KERNEL", "1") == "0":
+        return False
+    return cpu_ledger.available()
+
+
+def ledger_attention(*args, window: int, bits: int):
+    """``reference.ledger_attention_reference`` by the fastest path here: the CPU kernel where
+    ``use_cpu_kernel()``, else the jnp reference (which XLA fuses on any backend)."""
+    fn = cpu_ledger.ledger_attention_cpu if use_cpu_kernel() else ledger_attention_reference
+    return fn(*args, window=window, bits=bits)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import NEG_INF
-from qevict_jax.quant import dequantize_keys, dequantize_values
+from pallas_kernels.quant import dequantize_keys, dequantize_values
 
 Partial = tuple[jax.Array, jax.Array, jax.Array]  # (out [B, Hkv, G, D] f32, m [B, Hkv, G], l [B, Hkv, G])
 
@@ -63,7 +63,7 @@ def ledger_attention_reference(
         keys are dequantized and re-rotated (RoPE) at these positions.
       slot_valid: [B, NL] bool, slots that take part (active Q windows); invalid slots contribute nothing.
       inv_freq: [D/2] float32 RoPE inverse frequencies.
-      window: W (static). bits: 2 or 4 (static). Packing as in ``qevict_jax.quant``.
+      window: W (static). bits: 2 or 4 (static). Packing as in ``pallas_kernels.quant``.
 
     Returns (all float32):
       out: [B, Hkv, G, D] unnormalized output ``sum exp(s - m) v_hat`` over valid slots' tokens.

@@ -34,15 +34,13 @@ import jax
 import jax.numpy as jnp
 
 from models.model import LayerContext
-from qevict_jax.config import (
-    CacheConfig,
-    Capacities,
+from qevict_jax.budget import (
     keep_all_capacities,
-    num_windows,
     pyramid_layer_caps,
     solve_local_capacities,
     solve_pool_capacities,
 )
+from qevict_jax.config import CacheConfig, Capacities, num_windows
 from qevict_jax.qevict import QEvict
 from qevict_jax.scoring import criticalkv_scores, observation_attention, restkv_scores, snapkv_scores
 from qevict_jax.tiered import (
@@ -62,7 +60,7 @@ class StreamingLLM(QEvict):
 
     Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453.
     Parameters (``cache``): ``sink`` = 4 sink tokens; the recent region is as large as the byte budget allows
-    (``config.solve_local_capacities``); W = 1 and Ω = 1, so the oldest non-sink token leaves every step.
+    (``budget.solve_local_capacities``); W = 1 and Ω = 1, so the oldest non-sink token leaves every step.
     """
 
     name: str = "streamingllm"
@@ -280,7 +278,7 @@ class PyramidKV(SnapKV):
     """PyramidKV: SnapKV scores with layer-varying budgets (more tokens in lower layers).
 
     Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", arXiv
-    2406.02069. beta: pyramid steepness (``config.pyramid_layer_caps``). The pool is sized for the largest
+    2406.02069. beta: pyramid steepness (``budget.pyramid_layer_caps``). The pool is sized for the largest
     layer and charged in full (see the module docstring): the mean per-layer budget is the largest one whose
     pyramid fits the pool.
     """

@@ -7,42 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+from models.convert import convert
 from models.tokenizer import token_index
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=DEFAULT_MODEL, help="registered name, converted folder, HF folder or .gguf"
-    )
-    p.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)"
-    )
-    p.add_argument(
-        "--kv-dtype",
-        choices=list(KV_DTYPES),
-        default="bfloat16",
-        help="storage dtype of the KV cache and of Full-KV's reference bytes (default bfloat16)",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        metavar="NAME=VALUE",
-        help="a method option (n_obs=64, recent=64, ranking=cumulative-all, ...); method.NAME=VALUE sets it "
-        "for one method; repeatable; an option a method lacks is an error",
-    )
-
-
-KV_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def kv_dtype(args):
-    """The ``--kv-dtype`` as a jnp dtype."""
-    import jax.numpy as jnp
-
-    return jnp.dtype(args.kv_dtype)
+from qevict_jax.generate import SamplerConfig, generate
+from qevict_jax.methods import available_methods, cache_stats, make_method, options_for, parse_set_options
+from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
+from qevict_jax.needle import needle_correct, needle_prompt_text, needle_sample
+from qevict_jax.tiered import TieredCache
 
 
 def _add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
@@ -75,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
 
     p = sub.add_parser("generate", help="generate from a prompt file")
-    _add_model_args(p)
+    add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path)
     src.add_argument("--prompt", help="prompt text")
@@ -99,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "needle", help="seeded needle-in-a-haystack prompts over pydoc prose; accuracy per method"
     )
-    _add_model_args(p)
+    add_model_args(p)
     _add_method_args(p, multi=True)
     p.add_argument("--context-tokens", type=int, default=4000)
     p.add_argument("--samples", type=int, default=1)
@@ -112,33 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args):
-    import jax.numpy as jnp
-
-    from models.checkpoint import load_model
-    from models.registry import resolve_model
-    from models.tokenizer import Tokenizer
-
-    path = resolve_model(args.model)
-    dtype = {None: None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    cfg, model = load_model(path, dtype=dtype)
-    return cfg, model, Tokenizer.from_dir(path)
-
-
 def _budget(method) -> float:
     """The byte budget β of a budgeted method, 1.0 for methods that keep everything."""
     cache_cfg = getattr(method, "cache", None)
     return float(cache_cfg.budget) if getattr(method, "uses_budget", False) and cache_cfg is not None else 1.0
 
 
-def _eos_ids(cfg, tok) -> tuple[int, ...]:
-    return tuple(sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids)))
-
-
 def _routing_stats(cache) -> dict:
     """Routing counters of a tiered cache; zeros for caches that never route (Full-KV)."""
-    from qevict_jax.methods import cache_stats
-    from qevict_jax.tiered import TieredCache
 
     if isinstance(cache, TieredCache):
         return cache_stats(cache)
@@ -161,8 +114,6 @@ def _encode_prompt(tok, context: str, question: str | None, chat: bool) -> tuple
 
 
 def cmd_generate(args) -> int:
-    from qevict_jax.generate import SamplerConfig, generate
-    from qevict_jax.methods import make_method, options_for, parse_set_options
 
     opts = options_for(args.method, parse_set_options(args.set))
     if args.kernel:
@@ -171,11 +122,13 @@ def cmd_generate(args) -> int:
     if args.question_agnostic and not args.question:
         raise ValueError("--question-agnostic needs --question (the part of the prompt kept uncompressed)")
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
-    cfg, model, tok = _load(args)
+    cfg, model, tok = load(args)
     ids, question_start = _encode_prompt(tok, text, args.question, chat=not args.no_chat)
-    sampler = SamplerConfig(args.max_new_tokens, args.temperature, args.top_p, _eos_ids(cfg, tok))
+    sampler = SamplerConfig(args.max_new_tokens, args.temperature, args.top_p, eos_ids(cfg, tok))
     starts = [question_start] if args.question_agnostic else None
-    res = generate(model, [ids], sampler, method, seed=args.seed, question_starts=starts, kv_dtype=kv_dtype(args))
+    res = generate(
+        model, [ids], sampler, method, seed=args.seed, question_starts=starts, kv_dtype=kv_dtype(args)
+    )
     out = tok.decode(res.tokens[0])
     record = {
         "text": out,
@@ -205,9 +158,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_needle(args) -> int:
-    from qevict_jax.generate import SamplerConfig, generate
-    from qevict_jax.methods import make_method, options_for, parse_set_options
-    from qevict_jax.needle import needle_correct, needle_prompt_text, needle_sample
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -216,8 +166,8 @@ def cmd_needle(args) -> int:
     for name in methods:
         for b in [1.0] if name == "full" else budgets:
             runs.append(make_method(name, b, **options_for(name, scoped)))
-    cfg, model, tok = _load(args)
-    sampler = SamplerConfig(args.max_new_tokens, eos_ids=_eos_ids(cfg, tok))
+    cfg, model, tok = load(args)
+    sampler = SamplerConfig(args.max_new_tokens, eos_ids=eos_ids(cfg, tok))
 
     def count(text: str) -> int:
         return len(tok.encode(text, add_bos=False))
@@ -283,7 +233,6 @@ def cmd_needle(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from models.convert import convert
 
     out = convert(args.src, args.out, dtype=args.dtype)
     print(f"converted {args.src} -> {out}")
@@ -291,7 +240,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    from qevict_jax.methods import available_methods
 
     print("\n".join(available_methods()))
     return 0

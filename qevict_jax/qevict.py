@@ -16,7 +16,8 @@ import jax
 from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.dispatch import use_pallas
-from qevict_jax.config import CacheConfig, Capacities, num_windows, solve_capacities
+from qevict_jax.budget import solve_capacities
+from qevict_jax.config import CacheConfig, Capacities, num_windows
 from qevict_jax.routing import route_row
 from qevict_jax.scoring import Ranking
 from qevict_jax.tiered import SizedByCapacities, TieredCache, decode_layer, prefill_layer
@@ -68,7 +69,7 @@ class QEvict(SizedByCapacities):
         dtype: Any,
         budget_tokens: int,
     ) -> Capacities:
-        """Static buffer sizes for a batch (see ``config.solve_capacities``)."""
+        """Static buffer sizes for a batch (see ``budget.solve_capacities``)."""
         max_windows = num_windows(prompt_capacity + max_new_tokens, self.cache.sink, self.cache.window)
         return solve_capacities(self.cache, model_cfg, batch, budget_tokens, dtype, max_windows=max_windows)
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import apply_rope
-from qevict_jax.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from pallas_kernels.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
 
 class RoutingPlan(NamedTuple):

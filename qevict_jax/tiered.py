@@ -23,7 +23,9 @@ from flax import struct
 from models.attention import NEG_INF, prompt_attention
 from models.config import ModelConfig
 from models.model import LayerContext
-from pallas_kernels.reference import combine_partials, ledger_attention_reference
+from pallas_kernels.dispatch import ledger_attention
+from pallas_kernels.fused_attention import fused_attention
+from pallas_kernels.reference import combine_partials
 from qevict_jax.config import Capacities
 from qevict_jax.routing import (
     LEDGER_FIELDS,
@@ -355,7 +357,7 @@ def tier_attention(
         start = s + cache.led_win * w
         # a Q window takes part while its last token is inside the sliding window (slot granularity)
         led_ok = cache.led_active & _window_mask(q_pos, start + w - 1, sliding_window)
-        p_led = ledger_attention_reference(
+        p_led = ledger_attention(
             q, *(getattr(cache, n) for n in LEDGER_FIELDS), start, led_ok, inv_freq, window=w, bits=caps.bits
         )
     else:
@@ -382,8 +384,6 @@ def kernel_tier_attention(
     q [B, Hkv, G, D] -> (out [B, Hkv, G, D] f32, head-mean masses per F slot [B, NF], per ledger slot
     [B, NL], per ring token [B, RING]). No sliding window.
     """
-    from pallas_kernels.fused_attention import fused_attention
-
     caps = cache.caps
     s, w = caps.sink, caps.window
     sink_valid = jnp.arange(s, dtype=jnp.int32)[None] <= q_pos[:, None]
@@ -463,9 +463,10 @@ def decode_layer(
         loc_score=ranking.update(cache.loc_score, loc_mass),
         steps=cache.steps + 1,
     )
-    due = jnp.mod(cache.steps[0], caps.omega) == 0
-    route = jax.vmap(lambda row: route_row(row, ctx.inv_freq, ranking, promotion))
-    cache = jax.lax.cond(due, route, lambda c: c, cache)
+    if caps.decode_routing:
+        due = jnp.mod(cache.steps[0], caps.omega) == 0
+        route = jax.vmap(lambda row: route_row(row, ctx.inv_freq, ranking, promotion))
+        cache = jax.lax.cond(due, route, lambda c: c, cache)
     return out.reshape(b, 1, h, d).astype(q.dtype), cache
 
 

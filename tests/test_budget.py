@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 from models.config import ModelConfig
-from qevict_jax.config import CacheConfig, solve_capacities
+from qevict_jax.budget import solve_capacities
+from qevict_jax.config import CacheConfig
 from qevict_jax.kv import cache_nbytes, full_kv_bytes
 from qevict_jax.methods import available_methods, make_method
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from qevict_jax.eval.plots import write_summary
 from qevict_jax.eval.sweep import (
     Job,
     check_config,
@@ -21,7 +22,6 @@ from qevict_jax.eval.sweep import (
     record_key,
     run_sweep,
     summary_rows,
-    write_summary,
 )
 
 METHODS = [("full", None), ("qevict", 0.1), ("qevict", 0.2), ("h2o", 0.2)]

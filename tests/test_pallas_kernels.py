@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.attention import NEG_INF
-from pallas_kernels import dispatch
+from pallas_kernels import cpu_ledger, dispatch
 from pallas_kernels.fused_attention import (
     dense_slot_attention,
     dense_slot_attention_reference,
@@ -24,8 +24,8 @@ from pallas_kernels.fused_attention import (
     fused_attention_reference,
 )
 from pallas_kernels.ledger_attention import ledger_attention, plan_splits, rope_cos_sin, unpack_last
+from pallas_kernels.quant import unpack
 from pallas_kernels.reference import ledger_attention_reference
-from qevict_jax.quant import unpack
 
 SINK = 5
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -213,6 +213,41 @@ def test_ledger_attention_matches_reference_and_float64(d, g, w, bits, nl, block
     k, v = _np_ledger_kv(a, w, bits)
     q64 = np.asarray(args["q"].astype(jnp.float32), np.float64)
     _assert_partial(got, _np_partial(q64, k, v, a["slot_valid"]), TOL[dtype], a["slot_valid"])
+
+
+@pytest.mark.parametrize(
+    "d,g,w,bits,nl,dtype,masked,rtol64",
+    [(*case[:5], *case[7:], TOL[case[7]]) for case in LEDGER_CASES]
+    # the 8K-token shape of SmolLM2 at β = 0.2: positions to 16K, where float32 RoPE angles (which the
+    # reference shares) are ~7e-5 from float64
+    + [(64, 3, 8, 2, 487, jnp.float32, True, 2e-4)],
+)
+def test_cpu_ledger_kernel_matches_reference_and_float64(d, g, w, bits, nl, dtype, masked, rtol64):
+    """The CPU FFI kernel (codes read directly, slots split over threads) on the cases of the Pallas kernel,
+    three rows, plus the 8K-token shape of SmolLM2 at β = 0.2 (487 slots of 8 tokens)."""
+    assert cpu_ledger.available(), cpu_ledger.unavailable_reason()
+    rng = np.random.default_rng(nl * d + g + 1)
+    a = _ledger_inputs(rng, 3, 2, g, d, nl, w, bits, np.float32, masked)
+    args = _to_jnp(a)
+    args["q"] = args["q"].astype(dtype)
+    got = jax.jit(functools.partial(cpu_ledger.ledger_attention_cpu, window=w, bits=bits))(**args)
+    want = ledger_attention_reference(**args, window=w, bits=bits)
+    _assert_partial(got, [np.asarray(x) for x in want], TOL[dtype], a["slot_valid"])
+    k, v = _np_ledger_kv(a, w, bits)
+    q64 = np.asarray(args["q"].astype(jnp.float32), np.float64)
+    _assert_partial(got, _np_partial(q64, k, v, a["slot_valid"]), rtol64, a["slot_valid"])
+
+
+def test_loading_the_cpu_kernel_keeps_subnormal_floats():
+    """Linking with -ffast-math would switch the whole process to flush-to-zero."""
+    assert cpu_ledger.available(), cpu_ledger.unavailable_reason()
+    assert (np.array([1e-38], np.float32) / np.float32(1e3))[0] != 0
+
+
+def test_cpu_kernel_is_what_tier_attention_runs_on_the_cpu(monkeypatch):
+    assert dispatch.use_cpu_kernel() == (jax.default_backend() == "cpu")
+    monkeypatch.setenv("QEVICT_CPU_KERNEL", "0")
+    assert not dispatch.use_cpu_kernel()
 
 
 def test_ledger_attention_never_reads_invalid_slots():

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qevict_jax import quant
+from pallas_kernels import quant
 
 
 def np_pack(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -15,6 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from models.tokenizer import token_index
+from qevict_jax.eval import gsm8k, longbench, ruler
+from qevict_jax.eval.fidelity import fidelity_sample
+from qevict_jax.eval.harness import (
+    FidelityHarness,
+    GenerationHarness,
+    Prepared,
+    check_feasible,
+    resolve_methods,
+)
+from qevict_jax.eval.plots import write_summary
+from qevict_jax.eval.sweep import check_config, expand_jobs, merge_results, run_sweep
+from qevict_jax.methods import parse_set_options
+from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
 
 DEFAULT_METHODS = "full,streamingllm,h2o,snapkv,kivi2,r2,qevict"
 EVAL_TASKS = ("ruler", "longbench", "gsm8k", "fidelity")
@@ -43,13 +56,7 @@ def _names(text: str) -> list[str]:
 def _add_common(
     p: argparse.ArgumentParser, *, lengths: str | None, samples: int, out: str, lengths_help: str = ""
 ) -> None:
-    try:
-        from qevict_jax.cli import _add_model_args
-    except ImportError:  # pragma: no cover - the main CLI always has it
-        p.add_argument("--model", default="smollm2-135m-instruct")
-        p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    else:
-        _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated; unavailable ones are skipped")
     p.add_argument("--budgets", default="0.2", help="comma-separated budgets β (fraction of Full-KV bytes)")
     if lengths is not None:
@@ -92,8 +99,6 @@ def _add_question_agnostic(p: argparse.ArgumentParser) -> None:
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``eval`` with its four sub-commands to a ``qevict`` sub-parser set; returns the ``eval`` parser."""
-    from qevict_jax.eval import longbench, ruler
-
     p = subparsers.add_parser("eval", help="benchmark sweeps: RULER, LongBench, GSM8K, fidelity")
     sub = p.add_subparsers(dest="eval_task", required=True)
 
@@ -148,20 +153,16 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Load the model and tokenizer named by ``--model``, then run the sweep (``report``: merge sweeps)."""
-    from qevict_jax.cli import _eos_ids, _load
-
     if args.eval_task == "report":
         return cmd_report(args)
     precheck(args)
-    cfg, model, tok = _load(args)
-    run_eval(args, model, tok, _eos_ids(cfg, tok))
+    cfg, model, tok = load(args)
+    run_eval(args, model, tok, eos_ids(cfg, tok))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``qevict eval report A B:label --out DIR``: the records of several sweeps in one table and plot."""
-    from qevict_jax.eval.sweep import merge_results, write_summary
-
     sources = [
         (src.rsplit(":", 1)[0], src.rsplit(":", 1)[1]) if ":" in src else (src, "") for src in args.sources
     ]
@@ -174,8 +175,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def precheck(args: argparse.Namespace) -> None:
     """Fail fast, before the model loads: unknown tasks, missing data files, malformed lists."""
-    from qevict_jax.eval import gsm8k, longbench, ruler
-
     _floats(args.budgets)
     if hasattr(args, "lengths"):
         _ints(args.lengths)
@@ -200,10 +199,6 @@ def run_eval(
     log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Run the sweep that ``args`` describes with a loaded model; print and return the records."""
-    from qevict_jax.cli import kv_dtype
-    from qevict_jax.eval.harness import FidelityHarness, GenerationHarness, check_feasible, resolve_methods
-    from qevict_jax.eval.sweep import check_config, expand_jobs, run_sweep, write_summary
-    from qevict_jax.methods import parse_set_options
 
     log = log or (lambda m: print(m, file=sys.stderr))
     kind = args.eval_task
@@ -298,8 +293,6 @@ def _generation_setup(args: argparse.Namespace, tokenizer):
 
 
 def _ruler_setup(args: argparse.Namespace, tokenizer):
-    from qevict_jax.eval import ruler
-    from qevict_jax.eval.harness import Prepared
 
     tasks = list(ruler.TASKS) if args.tasks == "all" else _names(args.tasks)
     for t in tasks:
@@ -338,8 +331,6 @@ def _ruler_setup(args: argparse.Namespace, tokenizer):
 
 
 def _longbench_setup(args: argparse.Namespace, tokenizer):
-    from qevict_jax.eval import longbench
-    from qevict_jax.eval.harness import Prepared
 
     tasks = list(longbench.TASKS) if args.tasks == "all" else _names(args.tasks)
     data = {t: longbench.load_task(args.data_dir, t, limit=args.samples) for t in tasks}
@@ -362,14 +353,10 @@ def _longbench_setup(args: argparse.Namespace, tokenizer):
 
 
 def _longbench_score(task: str, answers, all_classes, prediction: str) -> float:
-    from qevict_jax.eval import longbench
-
     return longbench.score(task, prediction, answers, all_classes)
 
 
 def _gsm8k_setup(args: argparse.Namespace, tokenizer):
-    from qevict_jax.eval import gsm8k
-    from qevict_jax.eval.harness import Prepared
 
     problems = gsm8k.load(args.data_file, limit=args.samples)
     stop = _encode_plain(tokenizer)("\n\n")
@@ -386,20 +373,14 @@ def _gsm8k_setup(args: argparse.Namespace, tokenizer):
 
 
 def _gsm8k_score(reference: str, prediction: str) -> float:
-    from qevict_jax.eval import gsm8k
-
     return gsm8k.score(prediction, reference)
 
 
 def _gsm8k_annotate(prediction: str) -> dict[str, str]:
-    from qevict_jax.eval import gsm8k
-
     return {"extracted": gsm8k.extract_answer(prediction)}
 
 
 def _fidelity_sampler(args: argparse.Namespace, tokenizer) -> Callable[[int, int], Any]:
-    from qevict_jax.eval.fidelity import fidelity_sample
-
     encode = _encode_plain(tokenizer)
     bos = list(tokenizer.encode("", add_bos=True))
 

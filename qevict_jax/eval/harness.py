@@ -16,7 +16,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qevict_jax import generate as gen
+from qevict_jax.eval.fidelity import fidelity_stats
 from qevict_jax.eval.sweep import FULL, Job
+from qevict_jax.generate import (
+    DEFAULT_KV_DTYPE,
+    SamplerConfig,
+    _budget_tokens,
+    bucket_length,
+    generate,
+    generate_shared,
+    teacher_forced,
+)
+from qevict_jax.kv import FullKV
+from qevict_jax.methods import available_methods, configure, make_method, method_option, options_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +63,6 @@ def resolve_methods(
     recent region, set on every method that has one (``protects_recent``) unless ``--set`` gives it.
     A method without a budget (Full-KV, fixed-bit quantization) appears once, with budget None.
     """
-    from qevict_jax.methods import available_methods, configure, make_method, options_for
-
     available = available_methods()
     methods: dict[tuple[str, float | None], Any] = {}
     for name in names:
@@ -70,11 +85,6 @@ def check_feasible(
 ) -> None:
     """Size every method's cache for every planned prompt shape without computing anything
     (``jax.eval_shape``); raise one ValueError listing every infeasible (method, budget, prompt length)."""
-    import jax
-    import jax.numpy as jnp
-
-    from qevict_jax.generate import _budget_tokens, bucket_length
-
     problems = []
     for (name, budget), method in methods.items():
         for p in prompts:
@@ -106,8 +116,6 @@ def method_budget(method: Any, requested: float | None = None) -> float | None:
 
 
 def _trace_total() -> int:
-    from qevict_jax import generate as gen
-
     return sum(gen.TRACE_COUNTS.values())
 
 
@@ -172,8 +180,6 @@ class GenerationHarness:
         share_prefill: bool = True,
         batch: int = 1,
     ) -> None:
-        from qevict_jax.generate import DEFAULT_KV_DTYPE, generate
-
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.model, self.tokenizer, self.methods = model, tokenizer, methods
@@ -206,8 +212,6 @@ class GenerationHarness:
 
     def _generate(self, job: Job, p: Prepared, sampler) -> tuple[RowResult, float, int]:
         """(row result, wall seconds per method and row, methods sharing the prefill) of ``job``."""
-        from qevict_jax.generate import generate_shared
-
         if self.question_agnostic and p.question_start is None:
             raise ValueError(
                 f"{job.task}: this task's prompts have no question start (question-agnostic mode)"
@@ -247,9 +251,6 @@ class GenerationHarness:
         return self._ready.pop(want)
 
     def __call__(self, job: Job) -> dict[str, Any]:
-        from qevict_jax.generate import SamplerConfig
-        from qevict_jax.methods import method_option
-
         p = self.prepare(job.task, job.length, job.sample)
         method = self.methods[(job.method, job.budget)]
         stops = tuple(dict.fromkeys(self.eos_ids + p.stop_ids))
@@ -291,8 +292,6 @@ class FidelityHarness:
         teacher_forced_fn: Callable | None = None,
         kv_dtype: Any = None,
     ) -> None:
-        from qevict_jax.generate import DEFAULT_KV_DTYPE, teacher_forced
-
         self.kv_dtype = DEFAULT_KV_DTYPE if kv_dtype is None else kv_dtype
         self.model, self.methods = model, methods
         self.sample_fn = functools.lru_cache(maxsize=4)(sample_fn)
@@ -302,8 +301,6 @@ class FidelityHarness:
     def _full(self, length: int, sample: int):
         key = (length, sample)
         if key not in self._full_cache:
-            from qevict_jax.kv import FullKV
-
             s = self.sample_fn(length, sample)
             self._full_cache[key] = self._run(s, FullKV())[0]
             while len(self._full_cache) > 2:
@@ -311,14 +308,10 @@ class FidelityHarness:
         return self._full_cache[key]
 
     def _run(self, s, method):
-        import numpy as np
-
         targets = np.asarray([s.targets])
         return self.teacher_forced_fn(self.model, [s.prefix], targets, method, kv_dtype=self.kv_dtype), s
 
     def __call__(self, job: Job) -> dict[str, Any]:
-        from qevict_jax.eval.fidelity import fidelity_stats
-
         s = self.sample_fn(job.length, job.sample)
         full = self._full(job.length, job.sample)
         traces = _trace_total()

@@ -1,4 +1,5 @@
-"""Pareto plots of a sweep: score against measured memory ratio, one frontier per method, Full-KV dashed.
+"""The report of a sweep: summary tables (Markdown, CSV) and Pareto plots (score against measured memory
+ratio, one frontier per method, Full-KV dashed).
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no display needed, the global backend untouched).
 """
@@ -9,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qevict_jax.eval.sweep import FULL, aggregate
+from qevict_jax.eval.sweep import FULL, aggregate, markdown_table, pivot_markdown, summary_rows, write_csv
 
 
 def frontier_points(records: Sequence[Mapping[str, Any]], length: Any = None, metric: str = "score") -> dict:
@@ -91,3 +92,23 @@ def pareto_plot(
     path = Path(path)
     fig.savefig(path, dpi=120)
     return path
+
+
+def write_summary(
+    records: Sequence[Mapping[str, Any]],
+    out_dir: str | Path,
+    extra: Sequence[str] = (),
+    score_name: str = "score",
+    plot: bool = True,
+) -> str:
+    """Write summary.md, summary.csv and pareto.png into ``out_dir``; return the Markdown table."""
+    out = Path(out_dir)
+    rows = summary_rows(records, extra)
+    table = markdown_table(rows, extra, score_name)
+    (out / "summary.md").write_text(
+        table + "\n\n" + pivot_markdown(rows, score_name) + "\n", encoding="utf-8"
+    )
+    write_csv(rows, out / "summary.csv", extra)
+    if plot and records:
+        pareto_plot(records, out / "pareto.png", score_name=score_name)
+    return table

@@ -324,24 +324,3 @@ def pivot_markdown(rows: Sequence[Mapping[str, Any]], score_name: str = "score")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
-
-def write_summary(
-    records: Sequence[Mapping[str, Any]],
-    out_dir: str | Path,
-    extra: Sequence[str] = (),
-    score_name: str = "score",
-    plot: bool = True,
-) -> str:
-    """Write summary.md, summary.csv and pareto.png into ``out_dir``; return the Markdown table."""
-    out = Path(out_dir)
-    rows = summary_rows(records, extra)
-    table = markdown_table(rows, extra, score_name)
-    (out / "summary.md").write_text(
-        table + "\n\n" + pivot_markdown(rows, score_name) + "\n", encoding="utf-8"
-    )
-    write_csv(rows, out / "summary.csv", extra)
-    if plot and records:
-        from qevict_jax.eval.plots import pareto_plot
-
-        pareto_plot(records, out / "pareto.png", score_name=score_name)
-    return table

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flax import nnx
+
+from models.config import ModelConfig
+from models.model import Transformer
+
 BOS, EOS, OFFSET = 0, 1, 2
 VOCAB = 256 + OFFSET
 
@@ -31,11 +36,6 @@ class ByteTokenizer:
 
 def tiny_model(seed: int = 0, max_positions: int = 4096):
     """A 2-layer random Llama-style decoder over the byte vocabulary (float32)."""
-    from flax import nnx
-
-    from models.config import ModelConfig
-    from models.model import Transformer
-
     cfg = ModelConfig(
         family="llama",
         vocab_size=VOCAB,

@@ -1,0 +1,144 @@
+"""Decode attention over the packed ledger on the CPU: an XLA FFI custom call read straight from the codes.
+
+``ledger_attention_cpu`` has the signature and the result of ``reference.ledger_attention_reference`` (up to
+float32 rounding); ``cpu/ledger_attention.cc`` is the kernel. The shared library is compiled on first use
+with the machine's C++ compiler (``$CXX``, else ``g++``) against the FFI headers that jaxlib ships, into
+``$QEVICT_CACHE/kernels`` (else ``~/.cache/qevict-jax/kernels``), named by a hash of the source, the flags
+and the jaxlib version, so an edit or an upgrade rebuilds it. ``available()`` says whether it built; where it
+cannot (no compiler), callers use the jnp reference and ``unavailable_reason()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+SOURCE = Path(__file__).parent / "cpu" / "ledger_attention.cc"
+TARGET = "qevict_ledger_attention"
+# no -ffast-math: linking it sets flush-to-zero for the whole process
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("QEVICT_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "qevict-jax") / "kernels"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or "g++"
+    found = shutil.which(cxx)
+    if found is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set $CXX)")
+    return found
+
+
+def library_path() -> Path:
+    """Where the compiled kernel for this source, these flags and this jaxlib lives."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode())
+    return _cache_dir() / f"ledger_attention-{digest.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the kernel unless it is there (one compile at a time across processes); returns its path."""
+    path = library_path()
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            cmd = [_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(
+                    f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}"
+                )
+            os.replace(out, path)
+    return path
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build, load and register the kernel once per process; None when it worked, else the reason."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+    except (RuntimeError, OSError) as e:
+        return str(e)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.QevictLedgerAttention), platform="cpu")
+    return None
+
+
+def available() -> bool:
+    """True when the CPU kernel is built and registered (compiles it on the first call)."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the CPU kernel could not be built, or None."""
+    return _load()
+
+
+def ledger_attention_cpu(
+    q: jax.Array,
+    kc: jax.Array,
+    ks: jax.Array,
+    kz: jax.Array,
+    vc: jax.Array,
+    vs: jax.Array,
+    vz: jax.Array,
+    slot_start: jax.Array,
+    slot_valid: jax.Array,
+    inv_freq: jax.Array,
+    *,
+    window: int,
+    bits: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``reference.ledger_attention_reference`` on the CPU from the codes (same arguments, same results).
+
+    The RoPE angles are formed as the reference forms them (float32 ``position * inv_freq`` of each slot
+    start and of each offset); the kernel combines them by angle addition.
+    """
+    if not available():
+        raise RuntimeError(f"the CPU ledger kernel is unavailable: {unavailable_reason()}")
+    b, hkv, g, d = q.shape
+    nl = kc.shape[2]
+    f32 = jnp.float32
+    ang_s = slot_start.astype(f32)[..., None] * inv_freq.astype(f32)  # [B, NL, D/2]
+    ang_o = jnp.arange(window, dtype=f32)[:, None] * inv_freq.astype(f32)  # [W, D/2]
+    result = (
+        jax.ShapeDtypeStruct((b, hkv, g, d), f32),
+        jax.ShapeDtypeStruct((b, hkv, g), f32),
+        jax.ShapeDtypeStruct((b, hkv, g), f32),
+        jax.ShapeDtypeStruct((b, hkv, g, nl), f32),
+    )
+    call = jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")
+    return call(
+        q.astype(f32),
+        kc,
+        ks.astype(f32),
+        kz.astype(f32),
+        vc,
+        vs.astype(f32),
+        vz.astype(f32),
+        slot_valid.astype(jnp.uint8),
+        jnp.cos(ang_s),
+        jnp.sin(ang_s),
+        jnp.cos(ang_o),
+        jnp.sin(ang_o),
+        window=window,
+        bits=bits,
+    )

@@ -1,0 +1,241 @@
+"""The budget solver (DESIGN §3): static buffer sizes (``config.Capacities``) such that the summed ``nbytes`` of
+every array of the cache pytree, metadata, scores and counters included, is at most the byte budget.
+
+Sizes are measured on the abstract cache (``jax.eval_shape`` of the real constructor), so the solver and the
+allocated cache cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from qevict_jax.config import CacheConfig, Capacities, num_windows, ring_capacity
+from qevict_jax.kv import full_kv_bytes
+from qevict_jax.tiered import abstract_cache
+
+
+def resolve_recent(cfg: CacheConfig, budget_tokens_capacity: float) -> int:
+    """R in tokens: the int as given, or the fraction of the budget's token capacity (a multiple of W)."""
+    if isinstance(cfg.recent, float):
+        return int(cfg.recent * budget_tokens_capacity) // cfg.window * cfg.window
+    return int(cfg.recent)
+
+
+def _cache_bytes(caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any) -> int:
+    leaves = jax.tree.leaves(abstract_cache(caps, model_cfg, batch, dtype))
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves))
+
+
+def solve_capacities(
+    cache_cfg: CacheConfig,
+    model_cfg: ModelConfig,
+    batch: int,
+    budget_tokens: int,
+    dtype: Any,
+    max_windows: int | None = None,
+) -> Capacities:
+    """Choose NF, NQ, NL (and R, ring) so the whole cache pytree fits the byte budget.
+
+    budget = ``cache_cfg.budget_bytes * batch`` when set, else ``β * full_kv_bytes(budget_tokens)`` (batch
+    included). The fixed part (sinks, ring, ring scores, per-row counters) is subtracted first; ``q_frac`` of
+    the rest buys ledger slots, the remainder F slots. Nothing else depends on ``budget_tokens``, so at a
+    fixed ``budget_bytes`` NF and NQ do not change with the sequence length (unless ``max_windows`` caps
+    them: more slots than windows that can exist would be allocated and never used).
+    Raises ValueError naming the minimum β when sink + recent + one window do not fit.
+    """
+    if cache_cfg.layout == "keep_all":
+        return keep_all_capacities(cache_cfg, max_windows)
+    if budget_tokens < 1:
+        raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
+    if cache_cfg.layout != "tiered":
+        raise ValueError(
+            f"use solve_pool_capacities / solve_local_capacities for layout {cache_cfg.layout!r}"
+        )
+    itemsize = jnp.dtype(dtype).itemsize
+    full = full_kv_bytes(model_cfg, budget_tokens, dtype, batch)
+    if cache_cfg.budget_bytes is not None:
+        budget = int(cache_cfg.budget_bytes) * batch
+    else:
+        budget = int(math.floor(cache_cfg.budget * full))
+    token_capacity = budget / (batch * model_cfg.kv_bytes_per_token(itemsize))
+    w = cache_cfg.window
+    recent = resolve_recent(cache_cfg, token_capacity)
+    ring = ring_capacity(recent, w, cache_cfg.omega)
+    nw = num_windows(budget_tokens, cache_cfg.sink, w) if max_windows is None else max_windows
+
+    def caps(nf: int, nq: int, nl: int) -> Capacities:
+        return Capacities(cache_cfg.sink, w, recent, ring, nf, nq, nl, nw, cache_cfg.bits, cache_cfg.omega)
+
+    fixed = _cache_bytes(caps(0, 0, 0), model_cfg, batch, dtype)
+    per_f = _cache_bytes(caps(1, 0, 0), model_cfg, batch, dtype) - fixed
+    per_l = _cache_bytes(caps(0, 1, 1), model_cfg, batch, dtype) - fixed
+    q = cache_cfg.q_frac
+    # the least historical budget that buys one window in F or in Q
+    need = min(per_f / (1 - q) if q < 1 else math.inf, per_l / q if q > 0 else math.inf)
+    hist = budget - fixed
+    if hist < need:
+        min_beta = (fixed + need) / full
+        min_beta = math.ceil(min_beta * 1e4) / 1e4
+        raise ValueError(
+            f"budget too small: {budget} bytes cannot hold {cache_cfg.sink} sink tokens, the recent region "
+            f"(ring of {ring} tokens for R={recent}) and one window of W={w}; the minimum budget for this "
+            f"model, batch and length is beta >= {min_beta:.4f} ({int(math.ceil(fixed + need))} bytes)"
+        )
+    q_bytes = int(q * hist)
+    nf = (hist - q_bytes) // per_f
+    nl = q_bytes // per_l
+    nf = min(nf, nw)
+    # one window never has more than one ledger entry: every slot can serve Q while no dormant copy needs it
+    nl = nq = min(nl, nw)
+    result = caps(nf, nq, nl)
+    total = _cache_bytes(result, model_cfg, batch, dtype)
+    if total > budget:  # the cache is linear in nf and nl, so this cannot happen
+        raise AssertionError(f"solver overshoot: {total} > {budget} bytes for {result}")
+    return result
+
+
+def budget_bytes_of(
+    cache_cfg: CacheConfig, model_cfg: ModelConfig, batch: int, budget_tokens: int, dtype
+) -> int:
+    """The byte budget: ``budget_bytes * batch`` when set, else ``floor(β * full_kv_bytes(budget_tokens))``."""
+    if cache_cfg.budget_bytes is not None:
+        return int(cache_cfg.budget_bytes) * batch
+    return int(math.floor(cache_cfg.budget * full_kv_bytes(model_cfg, budget_tokens, dtype, batch)))
+
+
+def keep_all_capacities(cache_cfg: CacheConfig, max_windows: int | None) -> Capacities:
+    """KIVI-style keep-everything mode: the Q tier has a slot for every window the sequence can have, no F
+    tier, no dormant reserve; the byte budget does not apply (the measured size is what it is)."""
+    if max_windows is None:
+        raise ValueError("keep_all capacities need max_windows (the windows of prompt + new tokens)")
+    recent = int(cache_cfg.recent) if not isinstance(cache_cfg.recent, float) else 0
+    if isinstance(cache_cfg.recent, float):
+        raise ValueError("keep_all needs an integer recent region")
+    ring = ring_capacity(recent, cache_cfg.window, cache_cfg.omega)
+    return Capacities(
+        cache_cfg.sink,
+        cache_cfg.window,
+        recent,
+        ring,
+        0,
+        max_windows,
+        max_windows,
+        max_windows,
+        cache_cfg.bits,
+        cache_cfg.omega,
+    )
+
+
+def _fit_error(cache_cfg, budget: int, fixed: int, need: int, full: int, what: str) -> ValueError:
+    min_beta = math.ceil((fixed + need) / full * 1e4) / 1e4
+    return ValueError(
+        f"budget too small: {budget} bytes cannot hold {what}; the minimum budget for this model, batch and "
+        f"length is beta >= {min_beta:.4f} ({int(math.ceil(fixed + need))} bytes)"
+    )
+
+
+def solve_local_capacities(
+    cache_cfg: CacheConfig, model_cfg: ModelConfig, batch: int, budget_tokens: int, dtype: Any
+) -> Capacities:
+    """Sinks + the largest recent region that fits the budget (StreamingLLM): no F, Q or pool slots.
+
+    R is the largest multiple of W for which the whole pytree (sinks, ring of ``ring_capacity(R)`` slots,
+    scores, counters) fits; the ring holds R to R + Ω + W - 1 tokens between routing events.
+    """
+    budget = budget_bytes_of(cache_cfg, model_cfg, batch, budget_tokens, dtype)
+    full = full_kv_bytes(model_cfg, budget_tokens, dtype, batch)
+    w = cache_cfg.window
+
+    def caps(r: int) -> Capacities:
+        ring = ring_capacity(r, w, cache_cfg.omega)
+        return Capacities(cache_cfg.sink, w, r, ring, 0, 0, 0, 0, cache_cfg.bits, cache_cfg.omega)
+
+    fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
+    per_w = _cache_bytes(caps(w), model_cfg, batch, dtype) - fixed
+    if fixed + per_w > budget:
+        raise _fit_error(cache_cfg, budget, fixed, per_w, full, f"{cache_cfg.sink} sinks and one window")
+    r = (budget - fixed) // per_w * w
+    while r > 0 and _cache_bytes(caps(r), model_cfg, batch, dtype) > budget:
+        r -= w
+    return caps(r)
+
+
+def solve_pool_capacities(
+    cache_cfg: CacheConfig,
+    model_cfg: ModelConfig,
+    batch: int,
+    budget_tokens: int,
+    dtype: Any,
+    max_new_tokens: int,
+    max_selectable: int,
+) -> Capacities:
+    """Capacities of the per-KV-head token pool (eviction baselines, W = 1).
+
+    Fixed part: sinks, the ring (recent R + Ω for decode-time eviction; R + every token after the prompt
+    for compress-once caches), ring scores and counters. The rest of the byte budget buys
+    pool slots, ``Hkv`` at a time (one per KV head: K and V of one head, position, owner head, score), at
+    most ``max_selectable`` per head (more could never be filled).
+    """
+    budget = budget_bytes_of(cache_cfg, model_cfg, batch, budget_tokens, dtype)
+    full = full_kv_bytes(model_cfg, budget_tokens, dtype, batch)
+    itemsize = jnp.dtype(dtype).itemsize
+    recent = resolve_recent(cache_cfg, budget / (batch * model_cfg.kv_bytes_per_token(itemsize)))
+    ring = recent + max_new_tokens if cache_cfg.static else ring_capacity(recent, 1, cache_cfg.omega)
+
+    def caps(pph: int) -> Capacities:
+        return Capacities(
+            cache_cfg.sink,
+            1,
+            recent,
+            ring,
+            0,
+            0,
+            0,
+            0,
+            cache_cfg.bits,
+            cache_cfg.omega,
+            pool_per_head=pph,
+            pool_scores=not cache_cfg.static,
+            decode_routing=not cache_cfg.static,
+        )
+
+    fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
+    per = _cache_bytes(caps(1), model_cfg, batch, dtype) - fixed
+    if fixed + per > budget:
+        raise _fit_error(
+            cache_cfg,
+            budget,
+            fixed,
+            per,
+            full,
+            f"{cache_cfg.sink} sinks, the ring of {ring} tokens (R={recent}) and one pool slot per head",
+        )
+    pph = min((budget - fixed) // per, max(1, max_selectable))
+    result = caps(pph)
+    if _cache_bytes(result, model_cfg, batch, dtype) > budget:  # linear in pph: cannot happen
+        raise AssertionError(f"solver overshoot for {result}")
+    return result
+
+
+def pyramid_layer_caps(mean: float, num_layers: int, prefix: int, beta: float) -> tuple[int, ...]:
+    """PyramidKV per-layer budgets (arXiv 2406.02069; kvpress ``PyramidKVPress.get_layer_budget``).
+
+    ``mean`` selected tokens per head and layer on average over a prefix of ``prefix`` tokens (observation
+    window excluded): ``min = mean / beta``, ``max = 2 mean - min`` (clipped to the prefix, then
+    ``min = 2 mean - max``), layer l gets ``round(max - l (max - min) / (L - 1))``. Falls back to the
+    uniform ``round(mean)`` when ``max < min``.
+    """
+    lo = mean / beta
+    hi = 2 * mean - lo
+    if hi >= prefix:
+        hi = prefix
+        lo = 2 * mean - hi
+    if not hi >= lo >= 0 or num_layers < 2:
+        return tuple(int(round(mean)) for _ in range(num_layers))
+    steps = (hi - lo) / (num_layers - 1)
+    return tuple(int(round(hi - layer * steps)) for layer in range(num_layers))

@@ -1,0 +1,56 @@
+"""The model on the command line: the arguments every ``qevict`` command that runs a model takes, and loading
+the model and tokenizer they name."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import jax.numpy as jnp
+
+from models.checkpoint import load_model
+from models.registry import DEFAULT_MODEL, resolve_model
+from models.tokenizer import Tokenizer
+
+KV_DTYPES = ("bfloat16", "float16", "float32")
+COMPUTE_DTYPES = {None: None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --kv-dtype and --set."""
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="registered name, converted folder, HF folder or .gguf"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)"
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=list(KV_DTYPES),
+        default="bfloat16",
+        help="storage dtype of the KV cache and of Full-KV's reference bytes (default bfloat16)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a method option (n_obs=64, recent=64, ranking=cumulative-all, ...); method.NAME=VALUE sets it "
+        "for one method; repeatable; an option a method lacks is an error",
+    )
+
+
+def kv_dtype(args: argparse.Namespace) -> Any:
+    """The ``--kv-dtype`` as a jnp dtype."""
+    return jnp.dtype(args.kv_dtype)
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any, Tokenizer]:
+    """(model config, model, tokenizer) of ``--model`` in ``--dtype``; converts a source on first use."""
+    path = resolve_model(args.model)
+    cfg, model = load_model(path, dtype=COMPUTE_DTYPES[args.dtype])
+    return cfg, model, Tokenizer.from_dir(path)
+
+
+def eos_ids(cfg: Any, tok: Tokenizer) -> tuple[int, ...]:
+    """Stop tokens: the model config's and the tokenizer's."""
+    return tuple(sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids)))
