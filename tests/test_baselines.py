@@ -11,10 +11,10 @@ from test_quant import np_quantize
 
 from models.config import ModelConfig
 from models.model import LayerContext
+from pallas_kernels.quant import dequantize_keys, dequantize_values
 from qevict_jax.budget import pyramid_layer_caps
 from qevict_jax.kv import full_kv_bytes
 from qevict_jax.methods import make_method
-from pallas_kernels.quant import dequantize_keys, dequantize_values
 from qevict_jax.routing import rotate_windows
 
 MODEL = ModelConfig(

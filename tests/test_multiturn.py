@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -76,11 +75,6 @@ def test_appended_question_mass_promotes_q_windows(model):
     assert (events >= 6).all()
 
 
-@pytest.mark.skipif(
-    not os.environ.get("QEVICT_SHARED_PREFILL_TEST"),
-    reason="XLA's CPU compiler segfaulted compiling this test's graphs late in a full-suite process (twice); "
-    "run it alone: QEVICT_SHARED_PREFILL_TEST=1 pytest tests/test_multiturn.py -k shared",
-)
 def test_shared_prefill_equals_one_prefill_per_method(model):
     rs = np.random.RandomState(14)
     prompts = [list(rs.randint(0, 97, 300)), list(rs.randint(0, 97, 280))]
