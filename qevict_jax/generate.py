@@ -176,18 +176,20 @@ def _append(graphdef, state, cache, tokens, start, count, rng, method: KVMethod,
     TRACE_COUNTS["append"] += 1
     model: Transformer = nnx.merge(graphdef, state)
     b, q = tokens.shape
+    inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
 
     def body(carry, xs):
         cache, last = carry
         token, i = xs
         active = i < count
         logits, new = model(token[:, None], (start + i)[:, None], cache, attend=method.decode_attend)
+        new = method.decode_route(new, inv_freq)
         new = jax.lax.cond(jnp.all(active), lambda: new, lambda: _select_rows(active, new, cache))
         return (new, jnp.where(active[:, None], logits[:, 0], last)), None
 
     last0 = jnp.zeros((b, model.cfg.vocab_size), jnp.float32)
     (cache, last), _ = jax.lax.scan(body, (cache, last0), (tokens.T, jnp.arange(q, dtype=jnp.int32)))
-    cache = method.route(cache, jnp.asarray(model.cfg.inv_freq(), jnp.float32))
+    cache = method.route(cache, inv_freq)
     return sample(last, rng, sampler), cache
 
 
@@ -201,11 +203,13 @@ def _teacher_forced(
     TRACE_COUNTS["teacher_forced"] += 1
     model: Transformer = nnx.merge(graphdef, state)
     t = targets.shape[1]
+    inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
     logits0, cache = _prefill_logits(model, tokens, lengths, method, t, budget_tokens, kv_dtype)
 
     def body(cache, xs):
         token, step = xs
         logits, cache = model(token[:, None], (lengths + step)[:, None], cache, attend=method.decode_attend)
+        cache = method.decode_route(cache, inv_freq)
         return cache, jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
 
     steps = jnp.arange(t - 1, dtype=jnp.int32)
@@ -228,6 +232,7 @@ def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampl
     eos = jnp.asarray(sampler.eos_ids or (-1,), jnp.int32)
     out = jnp.zeros((b, g), jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
+    inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
 
     def cond(carry):
         step, _, _, done, _ = carry
@@ -239,6 +244,7 @@ def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampl
         token = out[:, step]
         pos = (lengths + step)[:, None]
         logits, cache = model(token[:, None], pos, cache, attend=method.decode_attend)
+        cache = method.decode_route(cache, inv_freq)
         nxt = sample(logits[:, 0], key, sampler)
         nxt = jnp.where(done, eos[0], nxt)
         out = out.at[:, step + 1].set(nxt)

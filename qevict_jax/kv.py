@@ -53,6 +53,8 @@ class KVMethod(Protocol):
 
     def route(self, cache: Any, inv_freq: jax.Array) -> Any: ...
 
+    def decode_route(self, cache: Any, inv_freq: jax.Array) -> Any: ...
+
     def reserve(self, cache: Any, total_tokens: int) -> Any: ...
 
 
@@ -129,6 +131,9 @@ class FullKV:
         return FullCache(k=zeros, v=zeros, length=length, dtype=jnp.dtype(dtype))
 
     def route(self, cache: FullCache, inv_freq: jax.Array) -> FullCache:
+        return cache
+
+    def decode_route(self, cache: FullCache, inv_freq: jax.Array) -> FullCache:
         return cache
 
     def reserve(self, cache: FullCache, total_tokens: int) -> FullCache:

@@ -91,9 +91,7 @@ class QEvict(SizedByCapacities):
 
     def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
-        return decode_layer(
-            q, k, v, layer_cache, ctx, self.ranking, self.cache.promotion, use_pallas(self.cache.kernel)
-        )
+        return decode_layer(q, k, v, layer_cache, ctx, self.ranking, use_pallas(self.cache.kernel))
 
 
 VARIANTS: dict[str, dict[str, Any]] = {

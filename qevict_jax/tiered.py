@@ -34,7 +34,6 @@ from qevict_jax.routing import (
     plan_routing,
     quantize_windows,
     ring_candidates,
-    route_row,
 )
 from qevict_jax.scoring import Ranking, prompt_windows
 
@@ -155,6 +154,14 @@ class SizedByCapacities:
         b = prompt_lengths.shape[0]
         caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
         return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
+
+    def decode_route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+        """After a decode step of every layer: a routing event (``route``) of every layer and row when the
+        step count reaches a multiple of Ω. Outside the layer scan, so a step without one copies nothing."""
+        if not cache.caps.decode_routing:
+            return cache
+        due = jnp.mod(cache.steps[0, 0], cache.caps.omega) == 0
+        return jax.lax.cond(due, lambda c: self.route(c, inv_freq), lambda c: c, cache)
 
 
 def abstract_cache(caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any) -> TieredCache:
@@ -417,14 +424,13 @@ def decode_layer(
     cache: TieredCache,
     ctx: LayerContext,
     ranking: Ranking,
-    promotion: bool,
     use_kernel: bool = False,
 ) -> tuple[jax.Array, TieredCache]:
     """One decode step of one layer: q [B, 1, H, D], k, v [B, 1, Hkv, D] post-RoPE -> (out [B, 1, H, D],
     cache).
 
     Writes the token into the sink or the ring, attends over all tiers, adds the head-mean window masses
-    to the scores, and every Ω steps routes (``lax.cond``). ``use_kernel``: attend with the Pallas kernels
+    to the scores (the routing event every Ω steps runs after the layer scan: ``decode_route``). ``use_kernel``: attend with the Pallas kernels
     (``pallas_kernels.fused_attention``) instead of the jnp reference (not with a sliding window, whose
     token-level masks the kernels do not take).
     """
@@ -463,10 +469,6 @@ def decode_layer(
         loc_score=ranking.update(cache.loc_score, loc_mass),
         steps=cache.steps + 1,
     )
-    if caps.decode_routing:
-        due = jnp.mod(cache.steps[0], caps.omega) == 0
-        route = jax.vmap(lambda row: route_row(row, ctx.inv_freq, ranking, promotion))
-        cache = jax.lax.cond(due, route, lambda c: c, cache)
     return out.reshape(b, 1, h, d).astype(q.dtype), cache
 
 
@@ -663,8 +665,9 @@ def pool_decode_layer(
     """One decode step in the pool layout: q [B, 1, H, D], k, v [B, 1, Hkv, D] -> (out [B, 1, H, D], cache).
 
     The token goes to the sink or the ring; attention reads sinks, pool and ring. With decode-time eviction
-    the policy's per-head attention statistic updates the slot and ring scores, and every Ω steps the
-    tokens that left the recent region compete with each head's pool slots (``route_pool_row``).
+    the policy's per-head attention statistic updates the slot and ring scores; every Ω steps, after the
+    layer scan (``decode_route``), the tokens that left the recent region compete with each head's pool
+    slots (``route_pool_row``).
     """
     caps = cache.caps
     s = caps.sink
@@ -692,9 +695,6 @@ def pool_decode_layer(
         hp_score=jnp.where(cache.hp_pos >= 0, policy.update(cache.hp_score, slot_mass), 0.0),
         ring_hscore=policy.update(ring_score, policy.decode_mass(att.ring[:, :, :, 0])),
     )
-    due = jnp.mod(cache.steps[0], caps.omega) == 0
-    route = jax.vmap(lambda row: route_pool_row(row, policy))
-    cache = jax.lax.cond(due, route, lambda c: c, cache)
     return att.out, cache
 
 

@@ -274,7 +274,8 @@ def np_causal_mass(q, k, end):
 
 
 def decode_steps(method, cache, q_new, k_new, v_new, lengths):
-    """Feed decode tokens (q_new [B, N, H, D] ...) to one layer; returns the cache after each step."""
+    """Feed decode tokens (q_new [B, N, H, D] ...) to one layer (each step followed by the method's routing,
+    as the decode loop runs it after the layer scan); returns the cache after each step."""
     inv = jnp.asarray(MODEL.inv_freq(), jnp.float32)
     caches = []
     for i in range(q_new.shape[1]):
@@ -282,6 +283,8 @@ def decode_steps(method, cache, q_new, k_new, v_new, lengths):
         ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL, wo=None)
         f = lambda a, i=i: jnp.asarray(a[:, i : i + 1], jnp.float32)
         _, cache = method.decode_attend(f(q_new), f(k_new), f(v_new), cache, ctx)
+        stacked = jax.tree.map(lambda x: x[None], cache)  # a one-layer stack
+        cache = jax.tree.map(lambda x: x[0], method.decode_route(stacked, inv))
         caches.append(cache)
     return caches
 

@@ -61,7 +61,13 @@ def run_model(model, method, tokens, lengths, prompt_cap, steps, budget_tokens):
     logits, cache = model(
         tokens[:, :prompt_cap], pos, cache, attend=method.prefill_attend, logit_index=lengths - 1
     )
-    step = jax.jit(lambda c, t, p: model(t[:, None], p[:, None], c, attend=method.decode_attend))
+    inv_freq = jnp.asarray(MODEL.inv_freq(), jnp.float32)
+
+    def decode_step(c, t, p):
+        logits, c = model(t[:, None], p[:, None], c, attend=method.decode_attend)
+        return logits, method.decode_route(c, inv_freq)
+
+    step = jax.jit(decode_step)
     outs = [logits]
     for i in range(steps):
         lg, cache = step(cache, tokens[jnp.arange(b), lengths + i], lengths + i)
@@ -116,7 +122,7 @@ def jitted_layer(caps: Capacities):
         ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
         _, cache = prefill_layer(q, k, v, cache, ctx, ranking, True, 16)
         ctx1 = LayerContext(positions=lengths[:, None], layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
-        out, cache1 = decode_layer(q1, k1, v1, cache, ctx1, ranking, True)
+        out, cache1 = decode_layer(q1, k1, v1, cache, ctx1, ranking)
         att = tier_attention(
             q1[:, 0].reshape(2, MODEL.num_kv_heads, -1, MODEL.head_dim), cache1, lengths, inv, None
         )
