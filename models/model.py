@@ -53,6 +53,37 @@ def uses_stacked_cache(attend: AttendFn) -> bool:
     return bool(getattr(getattr(attend, "__self__", None), "stacked_cache", False))
 
 
+def read_layer(cache: Any, layer: jax.Array) -> Any:
+    """One layer's slice of a stacked cache (every array leaf [L, ...] -> [...]); None stays None."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), cache)
+
+
+def write_layer(cache: Any, old: Any, new: Any, layer: jax.Array) -> Any:
+    """``cache`` with layer ``layer`` set to ``new``, writing only the leaves that are not ``old``'s own.
+
+    ``old`` is ``read_layer(cache, layer)``; a leaf the attend fn passed through unchanged is the same traced
+    value (``is``) and is not written. A 16-bit float leaf is written as its raw 16-bit words: XLA's CPU
+    backend would otherwise convert the whole stacked buffer to float32 and back for one layer's update.
+    """
+    stacked, treedef = jax.tree.flatten(cache)
+    before, new_leaves = jax.tree.leaves(old), jax.tree.leaves(new)
+    out = []
+    for buf, a, b in zip(stacked, before, new_leaves, strict=True):
+        if b is a:
+            out.append(buf)
+            continue
+        b = b.astype(buf.dtype)
+        if jnp.issubdtype(buf.dtype, jnp.floating) and buf.dtype.itemsize == 2:
+            words = jax.lax.bitcast_convert_type(buf, jnp.uint16)
+            words = jax.lax.dynamic_update_index_in_dim(
+                words, jax.lax.bitcast_convert_type(b, jnp.uint16), layer, 0
+            )
+            out.append(jax.lax.bitcast_convert_type(words, buf.dtype))
+        else:
+            out.append(jax.lax.dynamic_update_index_in_dim(buf, b, layer, 0))
+    return jax.tree.unflatten(treedef, out)
+
+
 def uncached_attend(q, k, v, layer_cache, ctx: LayerContext):
     """Causal attention over the current tokens only (no cache); ``layer_cache`` is passed through."""
     out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window)
@@ -184,19 +215,24 @@ class Transformer(nnx.Module):
 
             (x, cache), _ = jax.lax.scan(body_stacked, (x, cache), (stacked, layer_ids))
         else:
-
-            def body(x, xs):
-                p, layer_cache, layer = xs
+            # The stacked cache rides in the scan carry too: each layer reads its slice and writes back only
+            # the fields its attend fn replaced (``write_layer``), so a decode step copies no unchanged tier.
+            def body(carry, xs):
+                x, cache = carry
+                p, layer = xs
                 ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
-                x, layer_cache = self._layer(x, p, layer_cache, ctx, attend)
-                return x, layer_cache
+                old = read_layer(cache, layer)
+                x, new = self._layer(x, p, old, ctx, attend)
+                return (x, write_layer(cache, old, new, layer)), None
 
-            x, cache = jax.lax.scan(body, x, (stacked, cache, layer_ids))
+            (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, layer_ids))
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        if cfg.tie_word_embeddings:  # contract with the embedding [V, Dm] as stored: no transposed copy
+            logits = jnp.einsum("...d,vd->...v", x, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.dot(x, self.lm_head[...], preferred_element_type=jnp.float32)
         return logits, cache
 
 

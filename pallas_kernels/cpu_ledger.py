@@ -110,15 +110,14 @@ def ledger_attention_cpu(
     """``reference.ledger_attention_reference`` on the CPU from the codes (same arguments, same results).
 
     The RoPE angles are formed as the reference forms them (float32 ``position * inv_freq`` of each slot
-    start and of each offset); the kernel combines them by angle addition.
+    start and of each offset, combined by angle addition); the kernel evaluates their sines and cosines
+    itself, for the valid slots only, and reads the float16 grids as they are stored.
     """
     if not available():
         raise RuntimeError(f"the CPU ledger kernel is unavailable: {unavailable_reason()}")
     b, hkv, g, d = q.shape
     nl = kc.shape[2]
-    f32 = jnp.float32
-    ang_s = slot_start.astype(f32)[..., None] * inv_freq.astype(f32)  # [B, NL, D/2]
-    ang_o = jnp.arange(window, dtype=f32)[:, None] * inv_freq.astype(f32)  # [W, D/2]
+    f32, f16 = jnp.float32, jnp.float16
     result = (
         jax.ShapeDtypeStruct((b, hkv, g, d), f32),
         jax.ShapeDtypeStruct((b, hkv, g), f32),
@@ -129,16 +128,14 @@ def ledger_attention_cpu(
     return call(
         q.astype(f32),
         kc,
-        ks.astype(f32),
-        kz.astype(f32),
+        ks.astype(f16),
+        kz.astype(f16),
         vc,
-        vs.astype(f32),
-        vz.astype(f32),
+        vs.astype(f16),
+        vz.astype(f16),
         slot_valid.astype(jnp.uint8),
-        jnp.cos(ang_s),
-        jnp.sin(ang_s),
-        jnp.cos(ang_o),
-        jnp.sin(ang_o),
+        slot_start.astype(jnp.int32),
+        inv_freq.astype(f32),
         window=window,
         bits=bits,
     )

@@ -18,7 +18,7 @@ from models.model import LayerContext
 from pallas_kernels.dispatch import use_pallas
 from qevict_jax.budget import solve_capacities
 from qevict_jax.config import CacheConfig, Capacities, num_windows
-from qevict_jax.routing import route_row
+from qevict_jax.routing import route_stacked
 from qevict_jax.scoring import Ranking
 from qevict_jax.tiered import SizedByCapacities, TieredCache, decode_layer, prefill_layer
 
@@ -82,8 +82,7 @@ class QEvict(SizedByCapacities):
     def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
         """A routing event of every layer and row of a stacked cache (windows that left the recent region
         compete, Q windows whose scores rose are promoted)."""
-        row_fn = lambda row: route_row(row, inv_freq, self.ranking, self.cache.promotion)
-        return jax.vmap(jax.vmap(row_fn))(cache)
+        return route_stacked(cache, inv_freq, self.ranking, self.cache.promotion)
 
     def reserve(self, cache: TieredCache, total_tokens: int) -> TieredCache:
         """The window tiers are sized by the byte budget, not the length: any length fits."""

@@ -73,17 +73,40 @@ def _rank(key: jax.Array) -> jax.Array:
     return jnp.zeros(key.shape, jnp.int32).at[order].set(jnp.arange(key.shape[0], dtype=jnp.int32))
 
 
-def assign_slots(free: jax.Array, newcomer: jax.Array, preference: jax.Array | None = None) -> jax.Array:
+def top_members(key: jax.Array, eligible: jax.Array, k: int, cap: jax.Array | int | None = None) -> jax.Array:
+    """[N] bool: the ``min(k, cap)`` eligible entries with the largest ``key`` [N] (ties: lower index first,
+    as a stable descending sort orders them). One ``lax.top_k`` instead of a sort of every entry."""
+    n = key.shape[0]
+    k = min(k, n)
+    if k == 0:
+        return jnp.zeros((n,), bool)
+    vals, idx = jax.lax.top_k(jnp.where(eligible, key.astype(jnp.float32), -jnp.inf), k)
+    take = vals > -jnp.inf
+    if cap is not None:
+        take &= jnp.arange(k) < cap
+    return jnp.zeros((n,), bool).at[jnp.where(take, idx, n)].set(True, mode="drop") & eligible
+
+
+def compact(mask: jax.Array, size: int) -> jax.Array:
+    """Indices [size] of the first ``size`` True entries of ``mask`` [N], in order; N pads the rest."""
+    n = mask.shape[0]
+    rank = jnp.cumsum(mask.astype(jnp.int32)) - 1
+    return (
+        jnp.full((size,), n, jnp.int32)
+        .at[jnp.where(mask, rank, size)]
+        .set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    )
+
+
+def assign_slots(free: jax.Array, newcomer: jax.Array) -> jax.Array:
     """Targets [M] for newcomers [M] bool among slots [N] where ``free`` [N] bool (N = none).
 
-    The i-th newcomer gets the i-th usable slot, slots ordered by ``preference`` [N] int (lower first, then
-    index; default: free slots in index order). The caller guarantees enough usable slots.
+    The i-th newcomer gets the i-th free slot (index order). The caller guarantees enough free slots.
     """
     n = free.shape[0]
     if n == 0:
         return jnp.zeros(newcomer.shape, jnp.int32)
-    pref = jnp.where(free, 0, 1) if preference is None else preference
-    slots = jnp.argsort(pref, stable=True).astype(jnp.int32)
+    slots = compact(free, n)
     rank = jnp.cumsum(newcomer.astype(jnp.int32)) - 1
     return jnp.where(newcomer, slots[jnp.clip(rank, 0, n - 1)], n)
 
@@ -114,7 +137,7 @@ def plan_routing(
     score = jnp.concatenate([fp_score, led_score, cand_score]).astype(jnp.float32)
     is_q = jnp.concatenate([jnp.zeros(nf, bool), jnp.ones(nl, bool), jnp.zeros(k, bool)])
     f_eligible = valid if promotion else valid & ~is_q
-    in_f = f_eligible & (_rank(jnp.where(f_eligible, score, -jnp.inf)) < nf)
+    in_f = top_members(score, f_eligible, nf)
     f_in_f, q_in_f, c_in_f = jnp.split(in_f, [nf, nf + nl])
 
     # ledger: each F window's dormant entry, if it has one; which entries are dormant after the event
@@ -127,7 +150,7 @@ def plan_routing(
     q_cap = jnp.minimum(nq, nl - jnp.sum(keep_dormant | promoted, dtype=jnp.int32))
 
     q_eligible = valid & ~in_f
-    in_q = q_eligible & (_rank(jnp.where(q_eligible, score, -jnp.inf)) < q_cap)
+    in_q = top_members(score, q_eligible, nq, q_cap)
     gone = valid & ~in_f & ~in_q
     f_in_q, q_in_q, c_in_q = jnp.split(in_q, [nf, nf + nl])
     f_gone, q_gone, _ = jnp.split(gone, [nf, nf + nl])
@@ -226,11 +249,14 @@ def apply_plan(
     cand_v: jax.Array,
     cand_win: jax.Array,
     inv_freq: jax.Array,
+    bound: int | None = None,
 ) -> Any:
     """Move the data of one row as ``plan`` says; returns the row with new F, ledger and metadata.
 
     row: one batch row of a ``TieredCache`` (fields without the [B] axis). cand_k, cand_v: [Hkv, K, W, D]
-    candidate windows (post-RoPE keys), cand_win [K].
+    candidate windows (post-RoPE keys), cand_win [K]. bound: quantize and dequantize at most this many F
+    windows (the fresh F -> Q demotions and the Q -> F promotions, gathered first), or every F slot when
+    None; the caller guarantees that the plan's counts fit (``plan_counts``). Both give the same row.
     """
     caps = row.caps
     s, w, bits = caps.sink, caps.window, caps.bits
@@ -238,23 +264,27 @@ def apply_plan(
     fp_k, fp_v = row.fp_k, row.fp_v
     ledger = {name: getattr(row, name) for name in LEDGER_FIELDS}
     if nl and nf:
+        m = nf if bound is None else min(bound, nf)
         # sources are computed from the old state before anything is overwritten
-        f_entries = quantize_windows(row.fp_k, row.fp_v, s + row.fp_win * w, inv_freq, bits)
-        # promotions: F slot f receives ledger slot src[f] (NL = none); only those NF entries are dequantized
+        fresh = compact(plan.f2q_target < nl, m) if bound is not None else jnp.arange(nf, dtype=jnp.int32)
+        fsel = jnp.minimum(fresh, nf - 1)
+        f_entries = quantize_windows(fp_k[:, fsel], fp_v[:, fsel], s + row.fp_win[fsel] * w, inv_freq, bits)
+        f_target = jnp.where(fresh < nf, plan.f2q_target[fsel], nl)
+        # promotions: F slot f receives ledger slot src[f] (NL = none)
         src = (
             jnp.full((nf,), nl, jnp.int32)
             .at[plan.q2f_target]
             .set(jnp.arange(nl, dtype=jnp.int32), mode="drop")
         )
-        sel = jnp.minimum(src, nl - 1)
+        dest = compact(src < nl, m)  # [m] F slots receiving a promoted window (NF = none)
+        lsel = jnp.minimum(src[jnp.minimum(dest, nf - 1)], nl - 1)
         lk, lv = dequantize_windows(
-            *(ledger[n][:, sel] for n in LEDGER_FIELDS), s + row.led_win[sel] * w, inv_freq, bits
+            *(ledger[n][:, lsel] for n in LEDGER_FIELDS), s + row.led_win[lsel] * w, inv_freq, bits
         )
-        hit = (src < nl)[None, :, None, None]
-        fp_k = jnp.where(hit, lk.astype(fp_k.dtype), fp_k)
-        fp_v = jnp.where(hit, lv.astype(fp_v.dtype), fp_v)
+        fp_k = fp_k.at[:, dest].set(lk.astype(fp_k.dtype), mode="drop")
+        fp_v = fp_v.at[:, dest].set(lv.astype(fp_v.dtype), mode="drop")
         for name, x in zip(LEDGER_FIELDS, f_entries, strict=True):
-            ledger[name] = ledger[name].at[:, plan.f2q_target].set(x, mode="drop")
+            ledger[name] = ledger[name].at[:, f_target].set(x, mode="drop")
     if nf:
         fp_k = fp_k.at[:, plan.c2f_target].set(cand_k.astype(fp_k.dtype), mode="drop")
         fp_v = fp_v.at[:, plan.c2f_target].set(cand_v.astype(fp_v.dtype), mode="drop")
@@ -277,6 +307,17 @@ def apply_plan(
     )
 
 
+def plan_counts(plan: RoutingPlan, nl: int) -> jax.Array:
+    """[...] int32: the F windows a plan quantizes (fresh demotions) or dequantizes (promotions), the larger."""
+    fresh = jnp.sum(plan.f2q_target < nl, axis=-1, dtype=jnp.int32)
+    return jnp.maximum(fresh, plan.promotions)
+
+
+ROUTING_BOUND = 8
+"""F windows a routing event quantizes or dequantizes on its fast path (``route_stacked``). A decode event
+moves about one window per Ω steps; an event after an appended chunk may move many and takes the full path."""
+
+
 def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
     """Windows that left the recent region of one row: (cand_win [K] (-1 = none), ring window slot [K]).
 
@@ -292,13 +333,12 @@ def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
     return cand, wins % caps.ring_windows
 
 
-def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
-    """One decode routing event for one batch row of a ``TieredCache`` (fields without the [B] axis)."""
+def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, jax.Array, jax.Array, jax.Array]:
+    """The plan of one decode routing event for one row: (plan, cand_k, cand_v [Hkv, K, W, D], cand_win [K])."""
     caps = row.caps
     cand_win, ring_slot = ring_candidates(row)
     hkv, _, d = row.local_k.shape
-    ring = row.local_k.reshape(hkv, caps.ring_windows, caps.window, d)
-    cand_k = ring[:, ring_slot]  # [Hkv, K, W, D]
+    cand_k = row.local_k.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_v = row.local_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_score = ranking.candidate_score(row.loc_score[ring_slot], cand_k.swapaxes(0, 1))
     plan = plan_routing(
@@ -312,6 +352,35 @@ def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> A
         nq=caps.nq,
         promotion=promotion,
     )
-    row = apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq)
+    return plan, cand_k, cand_v, cand_win
+
+
+def finish_row(row: Any, plan, cand_k, cand_v, cand_win, inv_freq: jax.Array, bound: int | None) -> Any:
+    """``apply_plan``, then mark the candidates routed and count the event."""
+    row = apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq, bound)
     new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
     return row.replace(next_win=new_next, routing_events=row.routing_events + 1)
+
+
+def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
+    """One decode routing event for one batch row of a ``TieredCache`` (fields without the [B] axis)."""
+    return finish_row(row, *plan_row(row, ranking, promotion), inv_freq, None)
+
+
+def route_stacked(cache: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
+    """One routing event of every layer and row of a stacked ``TieredCache`` ([L, B] leading axes).
+
+    Plans every row first; when no row quantizes or dequantizes more than ``ROUTING_BOUND`` F windows (the
+    usual decode event), the data moves on the bounded path, else on the full one (``lax.cond`` on the
+    whole cache, outside the vmaps, so only one path runs). Both give the same cache.
+    """
+    rows = lambda f: jax.vmap(jax.vmap(f))
+    plan, cand_k, cand_v, cand_win = rows(lambda r: plan_row(r, ranking, promotion))(cache)
+    fits = jnp.all(plan_counts(plan, cache.caps.nl) <= ROUTING_BOUND)
+
+    def move(bound):
+        return rows(lambda r, p, ck, cv, cw: finish_row(r, p, ck, cv, cw, inv_freq, bound))(
+            cache, plan, cand_k, cand_v, cand_win
+        )
+
+    return jax.lax.cond(fits, lambda: move(ROUTING_BOUND), lambda: move(None))

@@ -456,7 +456,9 @@ def test_qevict_restkv_ranks_prompt_windows_by_restkv():
         rest_w = np.asarray(window_sums(jnp.asarray(tok)[None], 5, 8, nw))[0]
         ratio = got[b][early] / rest_w[early]
         np.testing.assert_allclose(ratio, ratio[0], rtol=1e-4)  # same order as ReST-KV, one scale per row
-        obs = np.asarray(Ranking("cumulative").prefill_window_scores(f(q), f(k), lengths, mass, 5, 8, nw, None))
+        obs = np.asarray(
+            Ranking("cumulative").prefill_window_scores(f(q), f(k), lengths, mass, 5, 8, nw, None)
+        )
         np.testing.assert_allclose(got[b][early].sum(), obs[b][early].sum(), rtol=1e-4)  # obs-window units
         np.testing.assert_allclose(got[b][~early], obs[b][~early], rtol=1e-6)
 

@@ -117,7 +117,6 @@ def test_one_compilation_per_bucket(model):
     assert gen.TRACE_COUNTS["prefill"] - mid.get("prefill", 0) == 1
 
 
-
 def test_executable_cache_keeps_the_most_recent_executables():
     cache = gen.ExecutableCache(capacity=2)
     double = jax.jit(lambda x: 2 * x)
@@ -130,6 +129,7 @@ def test_executable_cache_keeps_the_most_recent_executables():
     assert len(cache) == 2
     with pytest.raises(ValueError, match="capacity"):
         gen.ExecutableCache(capacity=0)
+
 
 def test_bucket_lengths():
     assert bucket_length(1) == 64

@@ -19,7 +19,14 @@ from test_routing import reference_assignment
 
 from models.config import ModelConfig
 from qevict_jax.config import Capacities, ring_capacity
-from qevict_jax.routing import LEDGER_FIELDS, apply_plan, dequantize_windows, plan_routing, quantize_windows
+from qevict_jax.routing import (
+    LEDGER_FIELDS,
+    apply_plan,
+    dequantize_windows,
+    plan_counts,
+    plan_routing,
+    quantize_windows,
+)
 from qevict_jax.tiered import init_cache
 
 W, D, NF, NQ, K = 8, 8, 3, 4, 2
@@ -53,7 +60,8 @@ def caps_for(nl: int) -> Capacities:
 
 @functools.cache
 def jitted_event(nl: int, promotion: bool):
-    """One routing event of one row: (row, cand_win [K], cand_score [K], cand_k, cand_v) -> (row, plan)."""
+    """One routing event of one row: (row, cand_win [K], cand_score [K], cand_k, cand_v) -> (row, plan,
+    the row moved on the bounded path with bound 1, whether the plan fits that bound)."""
 
     def event(row, cand_win, cand_score, cand_k, cand_v):
         plan = plan_routing(
@@ -67,7 +75,9 @@ def jitted_event(nl: int, promotion: bool):
             nq=row.caps.nq,
             promotion=promotion,
         )
-        return apply_plan(row, plan, cand_k, cand_v, cand_win, INV_FREQ), plan
+        full = apply_plan(row, plan, cand_k, cand_v, cand_win, INV_FREQ)
+        bounded = apply_plan(row, plan, cand_k, cand_v, cand_win, INV_FREQ, bound=1)
+        return full, plan, bounded, plan_counts(plan, nl) <= 1
 
     return jax.jit(event)
 
@@ -106,7 +116,7 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events)
     ever_promoted: set[int] = set()
     evicted: set[int] = set()
     next_win = 0
-    promotions = demotions = full_events = dormant_events = 0
+    promotions = demotions = full_events = dormant_events = bounded_events = 0
 
     for _ in range(events):
         # resident windows' scores drift (coarse: ties are frequent), new candidates with random KV
@@ -141,9 +151,14 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events)
         entries += [(int(w), float(s), False) for w, s in zip(cand_win, cand_score, strict=True) if w >= 0]
         want_f, want_q = reference_assignment(entries, NF, NQ, nl, promotion, frozenset(old_dormant))
 
-        row, _ = step(
+        row, _, bounded, fits = step(
             row, jnp.asarray(cand_win), jnp.asarray(cand_score), jnp.asarray(kv[0]), jnp.asarray(kv[1])
         )
+        # the bounded path (quantize / dequantize only the windows that move) gives the same row, bit for bit
+        if fits:
+            bounded_events += 1
+            for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(bounded), strict=True):
+                assert np.array_equal(np.asarray(a), np.asarray(b))
         fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.led_win)
         led_active = np.asarray(row.led_active)
         fp_k = np.asarray(row.fp_k.astype(jnp.float32))
@@ -209,7 +224,8 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events)
         dormant_events += bool(dormant)
 
     assert int(row.promotions) == promotions and int(row.demotions) == demotions
-    assert demotions > events // 10 and full_events > events // 4  # the checks above are not vacuous
+    # the checks above are not vacuous
+    assert demotions > events // 10 and full_events > events // 4 and bounded_events > events // 4
     if promotion:
         assert promotions > events // 10 and dormant_events > events // 4
         # re-promotions of the same window happened (its F copy was rebuilt from the same codes)

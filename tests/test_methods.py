@@ -77,7 +77,9 @@ def test_every_method_on_smollm2(smol, name):
     if name == "full":  # 16-bit words (kv.to_words) of a bfloat16 cache
         assert res.cache.dtype == jnp.dtype(dtype) and res.cache.keys().dtype == jnp.dtype(dtype)
     else:
-        assert {leaf.dtype for leaf in jax.tree.leaves(res.cache)} - other == {jnp.dtype(dtype)}  # K/V in bf16
+        assert {leaf.dtype for leaf in jax.tree.leaves(res.cache)} - other == {
+            jnp.dtype(dtype)
+        }  # K/V in bf16
     if getattr(method, "uses_budget", False):
         budget_tokens = bucket_floor(PROMPT) + NEW
         assert res.cache_bytes <= BETA * full_kv_bytes(cfg, budget_tokens, dtype)

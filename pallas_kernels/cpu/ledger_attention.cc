@@ -14,6 +14,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -35,17 +36,81 @@ struct Shapes {
 struct Inputs {
   const float* q;         // [B, Hkv, G, D]
   const uint8_t* kc;      // [B, Hkv, NL, D, Wb]
-  const float* ks;        // [B, Hkv, NL, D]
-  const float* kz;        // [B, Hkv, NL, D]
+  const uint16_t* ks;     // [B, Hkv, NL, D] float16
+  const uint16_t* kz;     // [B, Hkv, NL, D] float16
   const uint8_t* vc;      // [B, Hkv, NL, W, Db]
-  const float* vs;        // [B, Hkv, NL, W]
-  const float* vz;        // [B, Hkv, NL, W]
+  const uint16_t* vs;     // [B, Hkv, NL, W] float16
+  const uint16_t* vz;     // [B, Hkv, NL, W] float16
   const uint8_t* valid;   // [B, NL]
-  const float* cos_s;     // [B, NL, D/2] cos of the slot-start angles
-  const float* sin_s;     // [B, NL, D/2]
-  const float* cos_o;     // [W, D/2] cos of the offset angles
-  const float* sin_o;     // [W, D/2]
+  const int32_t* start;   // [B, NL] absolute position of each slot's first token
+  const float* inv_freq;  // [D/2]
 };
+
+// IEEE half -> float (exact), branch-free for normal numbers and zero; subnormals and inf/nan are rare in
+// grids but handled by the slow path.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: value = man * 2^-24
+      float f = static_cast<float>(man) * 5.9604644775390625e-08f;
+      uint32_t fb;
+      std::memcpy(&fb, &f, 4);
+      bits = sign | fb;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// sin and cos of a float32 angle (|x| up to ~1e5, as RoPE angles of positions below 2^17 are): Cody-Waite
+// reduction by pi/2 in three parts, then minimax polynomials on [-pi/4, pi/4] (Cephes sinf/cosf); error
+// ~1e-7 absolute. Branch-free, so loops over channels vectorize.
+inline void sincos_f32(float x, float* s_out, float* c_out) {
+  const float q = std::nearbyint(x * 0.63661977236758134f);  // x / (pi/2)
+  float r = x - q * 1.5703125f;
+  r = r - q * 4.837512969970703125e-4f;
+  r = r - q * 7.549789948768648e-8f;
+  const float r2 = r * r;
+  const float sp = r + r * r2 * (-1.6666654611e-1f + r2 * (8.3321608736e-3f + r2 * -1.9515295891e-4f));
+  const float cp = 1.0f - 0.5f * r2 + r2 * r2 * (4.166664568298827e-2f + r2 * (-1.388731625493765e-3f +
+                                                                           r2 * 2.443315711809948e-5f));
+  const int quad = static_cast<int>(q) & 3;
+  const float s1 = (quad & 1) ? cp : sp;
+  const float c1 = (quad & 1) ? sp : cp;
+  *s_out = (quad & 2) ? -s1 : s1;
+  *c_out = ((quad + 1) & 2) ? -c1 : c1;
+}
+
+// exp(x) for x <= 0 (softmax numerators): 2^(x log2 e) split into the nearest integer and a fraction in
+// [-1/2, 1/2], 2^fraction by its degree-6 Taylor polynomial (relative error ~2e-7); 0 below -87.
+// Branch-free, so the loops over a window's tokens vectorize.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::nearbyint(t);
+  const float f = t - fi;
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
 
 // Codes of one packed byte, as floats: kLut[bits == 4][byte][k] = code k of the byte.
 struct CodeTables {
@@ -69,82 +134,136 @@ inline void expand(const uint8_t* bytes, int64_t n, int64_t bits, float* out) {
   }
 }
 
+typedef float V8 __attribute__((vector_size(32)));  // eight floats (GCC/Clang vector extension)
+
+// Sum of x[0..n): pairwise for a power-of-two n (vectorizes), else in order. Clobbers x.
+inline float sum_inplace(float* x, int64_t n) {
+  if (n & (n - 1)) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += x[i];
+    return s;
+  }
+  for (int64_t half = n / 2; half >= 1; half /= 2)
+    for (int64_t i = 0; i < half; ++i) x[i] += x[i + half];
+  return x[0];
+}
+
 // One thread's share: slots [n0, n1) of row b, every KV head and query head. Writes the partial
 // (out [Hkv, G, D] unnormalized, m [Hkv, G], l [Hkv, G]) and slot_mass relative to its own max.
+// kW, kD: the window and head_dim when known at compile time (0 = read them from sh), so that the loops over
+// the window's tokens and the head's channels have fixed trip counts and vectorize.
+template <int kW, int kD>
 void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int64_t n1, float* out_part,
                   float* m_part, float* l_part, float* slot_mass, float* scores) {
-  const int64_t G = sh.g, D = sh.d, W = sh.w, H = D / 2, NL = sh.nl;
+  const int64_t G = sh.g, HKV = sh.hkv, NL = sh.nl;
+  const int64_t W = kW ? kW : sh.w;
+  const int64_t D = kD ? kD : sh.d;
+  const int64_t H = D / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   alignas(64) float cosr[kMaxDim / 2 * kMaxWindow];  // [H, W] rotation of each (pair, offset) in the slot
   alignas(64) float sinr[kMaxDim / 2 * kMaxWindow];
   alignas(64) float cos_oT[kMaxDim / 2 * kMaxWindow];  // offset tables transposed to [H, W]
   alignas(64) float sin_oT[kMaxDim / 2 * kMaxWindow];
-  alignas(64) float kbuf[kMaxDim * kMaxWindow];  // [D, W] dequantized pre-RoPE keys of one slot
+  alignas(64) float kbuf[kMaxDim * kMaxWindow];  // [D, W] keys of one slot: codes, then re-rotated keys
+  alignas(64) float krot[kMaxDim * kMaxWindow];  // [D, W]
   alignas(64) float vbuf[kMaxWindow * kMaxDim];  // [W, D] value codes of one slot
-  alignas(64) float acc[kMaxGroup * kMaxWindow];
-  alignas(64) float qs[kMaxGroup * kMaxDim];
+  alignas(64) float acc[kMaxWindow];
   alignas(64) float wts[kMaxGroup * kMaxWindow];
+  std::vector<float> qs(HKV * G * D);  // scaled queries [Hkv, G, D]
+  alignas(64) float ang_c[kMaxDim / 2];  // cos, sin of one slot's start angles [H]
+  alignas(64) float ang_s[kMaxDim / 2];
+  alignas(64) float kscale[kMaxDim], kzero[kMaxDim], vscale[kMaxWindow], vzero[kMaxWindow];
+  // the angles as the jnp reference forms them: float32 position * inv_freq, then angle addition
   for (int64_t t = 0; t < W; ++t)
     for (int64_t i = 0; i < H; ++i) {
-      cos_oT[i * W + t] = in.cos_o[t * H + i];
-      sin_oT[i * W + t] = in.sin_o[t * H + i];
+      sincos_f32(static_cast<float>(t) * in.inv_freq[i], &sin_oT[i * W + t], &cos_oT[i * W + t]);
     }
+  for (int64_t x = 0; x < HKV * G * D; ++x) qs[x] = in.q[b * HKV * G * D + x] * scale;
   const uint8_t* valid = in.valid + b * NL;
   const int64_t span = n1 - n0;
-  for (int64_t h = 0; h < sh.hkv; ++h) {
-    const int64_t bh = b * sh.hkv + h;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) qs[g * D + d] = in.q[(bh * G + g) * D + d] * scale;
-    float* m = m_part + h * G;
-    float* l = l_part + h * G;
-    float* out = out_part + h * G * D;
-    float* sc = scores + h * G * span * W;  // [G, span, W]
-    for (int64_t g = 0; g < G; ++g) m[g] = kNegInf;
-    // pass 1: logits of every valid token
-    for (int64_t n = n0; n < n1; ++n) {
-      if (!valid[n]) continue;
+  // running max of the logits per (KV head, query head) and token offset, reduced after pass 1 (a reduction
+  // per slot would be a chain of scalar compares)
+  std::vector<float> mlane(HKV * G * W, kNegInf);
+
+  // pass 1, slot by slot (the slot's RoPE table serves every KV head): logits of every valid token
+  for (int64_t n = n0; n < n1; ++n) {
+    if (!valid[n]) continue;
+    const float pos = static_cast<float>(in.start[b * NL + n]);
+    for (int64_t i = 0; i < H; ++i) sincos_f32(pos * in.inv_freq[i], &ang_s[i], &ang_c[i]);
+    for (int64_t i = 0; i < H; ++i)
+      for (int64_t t = 0; t < W; ++t) {
+        cosr[i * W + t] = ang_c[i] * cos_oT[i * W + t] - ang_s[i] * sin_oT[i * W + t];
+        sinr[i * W + t] = ang_s[i] * cos_oT[i * W + t] + ang_c[i] * sin_oT[i * W + t];
+      }
+    for (int64_t h = 0; h < HKV; ++h) {
+      const int64_t bh = b * HKV + h;
       const int64_t slot = bh * NL + n;
-      const float* cs = in.cos_s + (b * NL + n) * H;
-      const float* ss = in.sin_s + (b * NL + n) * H;
-      for (int64_t i = 0; i < H; ++i)
-        for (int64_t t = 0; t < W; ++t) {
-          cosr[i * W + t] = cs[i] * cos_oT[i * W + t] - ss[i] * sin_oT[i * W + t];
-          sinr[i * W + t] = ss[i] * cos_oT[i * W + t] + cs[i] * sin_oT[i * W + t];
-        }
       expand(in.kc + slot * D * sh.wb, D * sh.wb, sh.bits, kbuf);
-      const float* kscale = in.ks + slot * D;
-      const float* kzero = in.kz + slot * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kscale[d] = half_to_float(in.ks[slot * D + d]);
+        kzero[d] = half_to_float(in.kz[slot * D + d]);
+      }
       for (int64_t d = 0; d < D; ++d)
         for (int64_t t = 0; t < W; ++t) kbuf[d * W + t] = kbuf[d * W + t] * kscale[d] + kzero[d];
-      std::fill_n(acc, G * W, 0.0f);
       for (int64_t i = 0; i < H; ++i) {
         const float* k1 = kbuf + i * W;
         const float* k2 = kbuf + (i + H) * W;
         const float* c = cosr + i * W;
         const float* s = sinr + i * W;
-        for (int64_t g = 0; g < G; ++g) {
-          const float q1 = qs[g * D + i], q2 = qs[g * D + i + H];
-          float* a = acc + g * W;
-          for (int64_t t = 0; t < W; ++t) {
-            const float r1 = k1[t] * c[t] - k2[t] * s[t];
-            const float r2 = k2[t] * c[t] + k1[t] * s[t];
-            a[t] += q1 * r1 + q2 * r2;
-          }
+        float* r1 = krot + i * W;
+        float* r2 = krot + (i + H) * W;
+        for (int64_t t = 0; t < W; ++t) {
+          r1[t] = k1[t] * c[t] - k2[t] * s[t];
+          r2[t] = k2[t] * c[t] + k1[t] * s[t];
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < W; ++t) {
-          const float x = acc[g * W + t];
-          sc[(g * span + (n - n0)) * W + t] = x;
-          m[g] = std::max(m[g], x);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qs.data() + (h * G + g) * D;
+        if (W % 8 == 0 && D % 4 == 0) {
+          // eight tokens per vector, accumulated over the channels in four independent chains (one chain
+          // would wait on the latency of every multiply-add)
+          for (int64_t c = 0; c < W; c += 8) {
+            V8 a[4] = {};
+            for (int64_t d = 0; d < D; d += 4)
+              for (int j = 0; j < 4; ++j) {
+                V8 k;
+                std::memcpy(&k, krot + (d + j) * W + c, sizeof(V8));
+                a[j] += qg[d + j] * k;
+              }
+            const V8 sum = (a[0] + a[1]) + (a[2] + a[3]);
+            std::memcpy(acc + c, &sum, sizeof(V8));
+          }
+        } else {
+          for (int64_t t = 0; t < W; ++t) acc[t] = 0.0f;
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t t = 0; t < W; ++t) acc[t] += qg[d] * krot[d * W + t];
         }
+        float* sc = scores + ((h * G + g) * span + (n - n0)) * W;  // [Hkv, G, span, W]
+        float* ml = mlane.data() + (h * G + g) * W;
+        for (int64_t t = 0; t < W; ++t) {
+          sc[t] = acc[t];
+          ml[t] = acc[t] > ml[t] ? acc[t] : ml[t];
+        }
+      }
     }
-    // pass 2: probabilities, per-slot mass and values from their codes
-    float zsum[kMaxGroup];
-    for (int64_t g = 0; g < G; ++g) {
-      l[g] = 0.0f;
-      zsum[g] = 0.0f;
-    }
+  }
+  for (int64_t hg = 0; hg < HKV * G; ++hg) {
+    float mx = kNegInf;
+    for (int64_t t = 0; t < W; ++t) mx = std::max(mx, mlane[hg * W + t]);
+    m_part[hg] = mx;
+  }
+  // pass 2: probabilities, per-slot mass and values from their codes
+  for (int64_t h = 0; h < HKV; ++h) {
+    const int64_t bh = b * HKV + h;
+    float* m = m_part + h * G;
+    float* l = l_part + h * G;
+    float* out = out_part + h * G * D;
+    const float* sc = scores + h * G * span * W;  // [G, span, W]
+    alignas(64) float lsum[kMaxGroup * kMaxWindow];  // per-lane sums of p and of p * zero, reduced at the end
+    alignas(64) float zsum[kMaxGroup * kMaxWindow];
+    alignas(64) float tmp[kMaxWindow];
+    std::fill_n(lsum, G * W, 0.0f);
+    std::fill_n(zsum, G * W, 0.0f);
     std::fill_n(out, G * D, 0.0f);
     for (int64_t n = n0; n < n1; ++n) {
       float* mass = slot_mass + (bh * G) * NL + n;  // [G] with stride NL
@@ -153,20 +272,22 @@ void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int
         continue;
       }
       const int64_t slot = bh * NL + n;
-      const float* vscale = in.vs + slot * W;
-      const float* vzero = in.vz + slot * W;
+      for (int64_t t = 0; t < W; ++t) {
+        vscale[t] = half_to_float(in.vs[slot * W + t]);
+        vzero[t] = half_to_float(in.vz[slot * W + t]);
+      }
       for (int64_t g = 0; g < G; ++g) {
-        float sum = 0.0f, zs = 0.0f;
         const float* x = sc + (g * span + (n - n0)) * W;
+        float* ls = lsum + g * W;
+        float* zs = zsum + g * W;
         for (int64_t t = 0; t < W; ++t) {
-          const float p = std::exp(x[t] - m[g]);
-          sum += p;
-          zs += p * vzero[t];
+          const float p = exp_nonpos(x[t] - m[g]);
+          tmp[t] = p;
+          ls[t] += p;
+          zs[t] += p * vzero[t];
           wts[g * W + t] = p * vscale[t];
         }
-        mass[g * NL] = sum;
-        l[g] += sum;
-        zsum[g] += zs;
+        mass[g * NL] = sum_inplace(tmp, W);
       }
       expand(in.vc + slot * W * sh.db, W * sh.db, sh.bits, vbuf);
       for (int64_t g = 0; g < G; ++g) {
@@ -178,9 +299,24 @@ void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] += zsum[g];
+    for (int64_t g = 0; g < G; ++g) {
+      l[g] = sum_inplace(lsum + g * W, W);
+      const float z = sum_inplace(zsum + g * W, W);
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] += z;
+    }
   }
+}
+
+using RangeFn = void (*)(const Shapes&, const Inputs&, int64_t, int64_t, int64_t, float*, float*, float*,
+                         float*, float*);
+
+// The specialization for (W, D) when there is one (the windows and head dims in use), else the generic loop.
+RangeFn range_fn(int64_t w, int64_t d) {
+  if (w == 8 && d == 64) return attend_range<8, 64>;
+  if (w == 8 && d == 128) return attend_range<8, 128>;
+  if (w == 32 && d == 64) return attend_range<32, 64>;
+  if (w == 32 && d == 128) return attend_range<32, 128>;
+  return attend_range<0, 0>;
 }
 
 // Run fn(0..n-1) on the intra-op pool (the caller takes task 0) and wait for all of them.
@@ -201,10 +337,9 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
 }
 
 ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc,
-                           ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> kz, ffi::Buffer<ffi::U8> vc,
-                           ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::F32> vz, ffi::Buffer<ffi::U8> valid,
-                           ffi::Buffer<ffi::F32> cos_s, ffi::Buffer<ffi::F32> sin_s,
-                           ffi::Buffer<ffi::F32> cos_o, ffi::Buffer<ffi::F32> sin_o, int64_t window,
+                           ffi::Buffer<ffi::F16> ks, ffi::Buffer<ffi::F16> kz, ffi::Buffer<ffi::U8> vc,
+                           ffi::Buffer<ffi::F16> vs, ffi::Buffer<ffi::F16> vz, ffi::Buffer<ffi::U8> valid,
+                           ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> inv_freq, int64_t window,
                            int64_t bits, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                            ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> mass_out) {
   auto qd = q.dimensions();
@@ -216,9 +351,9 @@ ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (sh.d > kMaxDim || sh.d % 2 || sh.w > kMaxWindow || sh.g > kMaxGroup || sh.wb * sh.per != sh.w ||
       kd[3] != sh.d)
     return ffi::Error::InvalidArgument("ledger_attention: unsupported shapes");
-  Inputs in{q.typed_data(),  kc.typed_data(),    ks.typed_data(),    kz.typed_data(),
-            vc.typed_data(), vs.typed_data(),    vz.typed_data(),    valid.typed_data(),
-            cos_s.typed_data(), sin_s.typed_data(), cos_o.typed_data(), sin_o.typed_data()};
+  Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(),    kz.typed_data(),
+            vc.typed_data(), vs.typed_data(), vz.typed_data(),    valid.typed_data(),
+            start.typed_data(), inv_freq.typed_data()};
   const int64_t B = sh.b, HG = sh.hkv * sh.g, D = sh.d, NL = sh.nl;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8));
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, NL));
@@ -226,10 +361,11 @@ ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   std::vector<float> out_p(B * parts * HG * D), m_p(B * parts * HG), l_p(B * parts * HG);
   std::vector<float> scores(B * parts * HG * chunk * sh.w);
   float* mass = mass_out->typed_data();
+  const RangeFn attend = range_fn(sh.w, sh.d);
   parallel_for(pool, B * parts, [&](int64_t task) {
     const int64_t b = task / parts, part = task % parts;
     const int64_t n0 = std::min(NL, part * chunk), n1 = std::min(NL, n0 + chunk);
-    attend_range(sh, in, b, n0, n1, out_p.data() + task * HG * D, m_p.data() + task * HG,
+    attend(sh, in, b, n0, n1, out_p.data() + task * HG * D, m_p.data() + task * HG,
                  l_p.data() + task * HG, mass, scores.data() + task * HG * chunk * sh.w);
   });
   // merge the partials of every row and rescale each range's slot masses to the common max
@@ -266,16 +402,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictLedgerAttention, LedgerAttention,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::U8>>()   // kc
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ks
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kz
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // ks
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // kz
                                   .Arg<ffi::Buffer<ffi::U8>>()   // vc
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // vs
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // vz
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // vs
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // vz
                                   .Arg<ffi::Buffer<ffi::U8>>()   // valid
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos_s
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin_s
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos_o
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin_o
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // start
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("bits")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out

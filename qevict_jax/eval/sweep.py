@@ -323,4 +323,3 @@ def pivot_markdown(rows: Sequence[Mapping[str, Any]], score_name: str = "score")
         cells += [_fmt(avg["score"], 1) if avg else "-", _fmt(avg["memory_ratio"], 3) if avg else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
