@@ -1,6 +1,6 @@
 """Every eviction and quantization baseline as a small configuration or policy over the shared cache.
 
-One cache pytree (``tiered.TieredCache``) and one budget definition serve every method; a baseline picks a
+One cache pytree (``cache.TieredCache``) and one budget definition serve every method; a baseline picks a
 *layout* of that cache (``CacheConfig.layout``) and, for the per-head token pool, a scoring *policy*:
 
 - StreamingLLM: layout "local" (sinks + the largest recent region that fits the budget).
@@ -9,7 +9,7 @@ One cache pytree (``tiered.TieredCache``) and one budget definition serve every 
 - H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV, CriticalKV, ReST-KV: layout "pool": a pool of token slots
   per layer and row, each slot owned by one KV head, so that heads keep different tokens (uniform,
   layer-varying or head-adaptive budgets) and the memory is the pool itself. The policy's ``prefill_scores``
-  returns ``[B, Hkv, T]`` (higher = keep, kvpress-style); the shared ``tiered.select_pool`` does the top-k
+  returns ``[B, Hkv, T]`` (higher = keep, kvpress-style); the shared ``pool.select_pool`` does the top-k
   and the gather. Prompt-based methods compress once after prefill (``static``), decode-time methods (H2O,
   TOVA) re-rank every step.
 
@@ -40,16 +40,11 @@ from qevict_jax.budget import (
     solve_local_capacities,
     solve_pool_capacities,
 )
+from qevict_jax.cache import SizedByCapacities, TieredCache
 from qevict_jax.config import CacheConfig, Capacities, num_windows
+from qevict_jax.pool import pool_decode_layer, pool_prefill_layer, route_pool_row
 from qevict_jax.qevict import QEvict
 from qevict_jax.scoring import criticalkv_scores, observation_attention, restkv_scores, snapkv_scores
-from qevict_jax.tiered import (
-    SizedByCapacities,
-    TieredCache,
-    pool_decode_layer,
-    pool_prefill_layer,
-    route_pool_row,
-)
 
 # ---------------------------------------------------------------------------------------------- window layouts
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from models.convert import convert
 from models.tokenizer import token_index
+from qevict_jax.cache import TieredCache
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
 from qevict_jax.generate import SamplerConfig, generate
 from qevict_jax.methods import available_methods, cache_stats, make_method, options_for, parse_set_options
 from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
 from qevict_jax.needle import needle_correct, needle_prompt_text, needle_sample
-from qevict_jax.tiered import TieredCache
 
 
 def _add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
@@ -86,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _budget(method) -> float:
     """The byte budget β of a budgeted method, 1.0 for methods that keep everything."""
-    cache_cfg = getattr(method, "cache", None)
-    return float(cache_cfg.budget) if getattr(method, "uses_budget", False) and cache_cfg is not None else 1.0
+    return 1.0 if method.budget is None else method.budget
 
 
 def _routing_stats(cache) -> dict:

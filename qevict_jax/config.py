@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv")
+from qevict_jax.scoring import RANKINGS
+
 LAYOUTS = ("tiered", "pool", "local", "keep_all")
 
 

@@ -10,12 +10,12 @@ import collections
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from models.attention import prompt_attention
 from models.model import Transformer
@@ -221,6 +221,18 @@ def _teacher_forced(
 _teacher_forced_jit = jax.jit(_teacher_forced, static_argnums=(0, 5, 6, 7))
 
 
+@struct.dataclass
+class DecodeState:
+    """The carry of the decode loop: step [] int32 (tokens[:, step] is the last sampled token, not yet in the
+    cache), the cache pytree, tokens [B, G] int32 sampled so far, done [B] bool (row hit EOS), rng key."""
+
+    step: jax.Array
+    cache: Any
+    tokens: jax.Array
+    done: jax.Array
+    rng: jax.Array
+
+
 def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampler: SamplerConfig):
     """Decode loop: first [B] token (at positions ``lengths``) -> (tokens [B, G], num_tokens [B], steps
     taken [], cache). After it, each row's cache holds ``lengths + steps`` tokens and ``tokens[:, steps]``
@@ -234,27 +246,32 @@ def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampl
     done = jnp.isin(first, eos)
     inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
 
-    def cond(carry):
-        step, _, _, done, _ = carry
-        return (step + 1 < g) & ~jnp.all(done)
+    def more(state: DecodeState) -> jax.Array:
+        return (state.step + 1 < g) & ~jnp.all(state.done)
 
-    def body(carry):
-        step, cache, out, done, rng = carry
-        rng, key = jax.random.split(rng)
-        token = out[:, step]
-        pos = (lengths + step)[:, None]
-        logits, cache = model(token[:, None], pos, cache, attend=method.decode_attend)
+    def step(state: DecodeState) -> DecodeState:
+        rng, key = jax.random.split(state.rng)
+        token = state.tokens[:, state.step]
+        pos = (lengths + state.step)[:, None]
+        logits, cache = model(token[:, None], pos, state.cache, attend=method.decode_attend)
         cache = method.decode_route(cache, inv_freq)
         nxt = sample(logits[:, 0], key, sampler)
-        nxt = jnp.where(done, eos[0], nxt)
-        out = out.at[:, step + 1].set(nxt)
-        return step + 1, cache, out, done | jnp.isin(nxt, eos), rng
+        nxt = jnp.where(state.done, eos[0], nxt)
+        return DecodeState(
+            step=state.step + 1,
+            cache=cache,
+            tokens=state.tokens.at[:, state.step + 1].set(nxt),
+            done=state.done | jnp.isin(nxt, eos),
+            rng=rng,
+        )
 
-    step, cache, out, done, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, out, done, rng))
+    start = DecodeState(step=jnp.int32(0), cache=cache, tokens=out, done=done, rng=rng)
+    final = jax.lax.while_loop(more, step, start)
+    steps, cache, out = final.step, final.cache, final.tokens
     # a row's output ends at its first EOS (inclusive) or at the last step taken
-    is_eos = jnp.isin(out, eos) & (jnp.arange(g) <= step)
-    first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), step)
-    return out, first_eos + 1, step, cache
+    is_eos = jnp.isin(out, eos) & (jnp.arange(g) <= steps)
+    first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), steps)
+    return out, first_eos + 1, steps, cache
 
 
 _prefill_jit = jax.jit(_prefill, static_argnums=(0, 5, 6, 7, 8, 9))
@@ -359,6 +376,7 @@ class Fanout:
     methods: tuple[Any, ...]
     name: str = "fanout"
     chunk: int = 512
+    stacked_cache: ClassVar[bool] = False  # its members' caches are handed one layer's slice each
 
     def init_cache(self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens):
         return tuple(
@@ -372,9 +390,7 @@ class Fanout:
         att = prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, self.chunk)
         ctx = dataclasses.replace(ctx, prompt_attention=att)
         pairs = [
-            (m.prefill_attend_slice if getattr(m, "stacked_cache", False) else m.prefill_attend)(
-                q, k, v, c, ctx
-            )
+            (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(q, k, v, c, ctx)
             for m, c in zip(self.methods, caches, strict=True)
         ]
         return pairs[0][0], tuple(c for _, c in pairs)
@@ -552,7 +568,7 @@ def _continue(
 
 def _budget_tokens(method: KVMethod, lengths: np.ndarray, max_new_tokens: int, budget_rounding: str) -> int:
     """Tokens per row a budgeted method sizes its cache for (0 for methods without a budget)."""
-    if not getattr(method, "uses_budget", False):
+    if not method.uses_budget:
         return 0
     if budget_rounding not in ("bucket", "exact"):
         raise ValueError(f"budget_rounding must be 'bucket' or 'exact', got {budget_rounding!r}")

@@ -10,6 +10,7 @@ A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) w
   prompt pass (positions ``0..P-1``, rows right-padded) and for one decoded token per row.
 - ``route(cache, inv_freq)``: a routing event now, on the whole stacked cache (after an appended chunk of
   tokens, before decoding); identity for methods that never route.
+- ``decode_route(cache, inv_freq)``: after a decode step, a routing event when one is due, else the cache.
 - ``reserve(cache, total_tokens)``: a cache with room for ``total_tokens`` tokens per row (a continued
   conversation), or a clear error when the method cannot grow.
 """
@@ -30,12 +31,18 @@ from models.model import LayerContext
 
 class KVMethod(Protocol):
     """name: registry name; uses_budget: sized by a byte budget β; options: names ``configure`` may set;
-    protects_recent: has a protected recent region (``recent``) that a benchmark's protocol may set."""
+    protects_recent: has a protected recent region (``recent``) that a benchmark's protocol may set;
+    stacked_cache: its attend fns take the whole stacked cache and ``ctx.layer`` (else one layer's slice);
+    budget: the β it runs at, None when no budget applies."""
 
     name: str
     uses_budget: ClassVar[bool]
     options: ClassVar[tuple[str, ...]]
     protects_recent: ClassVar[bool]
+    stacked_cache: ClassVar[bool]
+
+    @property
+    def budget(self) -> float | None: ...
 
     def init_cache(
         self,
@@ -119,6 +126,10 @@ class FullKV:
     uses_budget: ClassVar[bool] = False
     options: ClassVar[tuple[str, ...]] = ("prefill_chunk",)
     protects_recent: ClassVar[bool] = False
+
+    @property
+    def budget(self) -> float | None:
+        return None
 
     def init_cache(
         self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens=0

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from qevict_jax.baselines import BASELINES
+from qevict_jax.cache import TieredCache
 from qevict_jax.config import CacheConfig
 from qevict_jax.kv import FullKV, KVMethod
 from qevict_jax.qevict import VARIANTS, QEvict
-from qevict_jax.tiered import TieredCache
 
 
 def available_methods() -> list[str]:
@@ -50,8 +50,8 @@ def configure(method: KVMethod, budget: float | None = None, **options: Any) -> 
     own_fields = {f.name for f in dataclasses.fields(method)} - {"name", "cache"}
     own = {k: v for k, v in options.items() if k in own_fields}
     cfg = {k: v for k, v in options.items() if k not in own_fields}
-    cache = getattr(method, "cache", None)
-    if cache is not None:
+    if "cache" in {f.name for f in dataclasses.fields(method)}:
+        cache = method.cache
         if budget is not None:
             cfg["budget"] = budget
         own["cache"] = dataclasses.replace(cache, **cfg)

@@ -1,6 +1,6 @@
 """QEvict: the three-tier window cache as a KV method, and its named configurations (the paper's R1-R4).
 
-Every variant is a ``CacheConfig`` over the same tiered machinery (``qevict_jax.tiered``): R1-R4 differ in
+Every variant is a ``CacheConfig`` over the same window engine (``qevict_jax.window``): R1-R4 differ in
 window size and in whether the Q tier exists; "qevict-restkv" ranks the prompt's windows with the ReST-KV
 output-change score; "qevict-all" initializes the scores from every prompt query (the ablation of the
 observation-window initialization).
@@ -17,10 +17,11 @@ from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.dispatch import use_pallas
 from qevict_jax.budget import solve_capacities
+from qevict_jax.cache import SizedByCapacities, TieredCache
 from qevict_jax.config import CacheConfig, Capacities, num_windows
 from qevict_jax.routing import route_stacked
-from qevict_jax.scoring import Ranking
-from qevict_jax.tiered import SizedByCapacities, TieredCache, decode_layer, prefill_layer
+from qevict_jax.scoring import Ranking, make_ranking
+from qevict_jax.window import decode_layer, prefill_layer
 
 QEVICT_OPTIONS = (
     "sink",
@@ -58,7 +59,7 @@ class QEvict(SizedByCapacities):
     @property
     def ranking(self) -> Ranking:
         c = self.cache
-        return Ranking(c.ranking, c.decay, c.p, c.n_obs, c.pool)
+        return make_ranking(c.ranking, decay=c.decay, p=c.p, n_obs=c.n_obs, pool=c.pool)
 
     def capacities(
         self,

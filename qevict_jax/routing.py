@@ -263,8 +263,8 @@ def apply_plan(
     nf, nl = row.fp_win.shape[0], row.led_win.shape[0]
     fp_k, fp_v = row.fp_k, row.fp_v
     ledger = {name: getattr(row, name) for name in LEDGER_FIELDS}
-    if nl and nf:
-        m = nf if bound is None else min(bound, nf)
+    m = nf if bound is None else min(bound, nf)
+    if nl and m:
         # sources are computed from the old state before anything is overwritten
         fresh = compact(plan.f2q_target < nl, m) if bound is not None else jnp.arange(nf, dtype=jnp.int32)
         fsel = jnp.minimum(fresh, nf - 1)
@@ -333,6 +333,21 @@ def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
     return cand, wins % caps.ring_windows
 
 
+def plan_for_row(row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion: bool) -> RoutingPlan:
+    """``plan_routing`` of one row of a ``TieredCache`` against candidates cand_win, cand_score [K]."""
+    return plan_routing(
+        row.fp_win,
+        row.fp_score,
+        row.led_win,
+        row.led_active,
+        row.led_score,
+        cand_win,
+        cand_score.astype(jnp.float32),
+        nq=row.caps.nq,
+        promotion=promotion,
+    )
+
+
 def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, jax.Array, jax.Array, jax.Array]:
     """The plan of one decode routing event for one row: (plan, cand_k, cand_v [Hkv, K, W, D], cand_win [K])."""
     caps = row.caps
@@ -341,18 +356,7 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, jax.
     cand_k = row.local_k.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_v = row.local_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_score = ranking.candidate_score(row.loc_score[ring_slot], cand_k.swapaxes(0, 1))
-    plan = plan_routing(
-        row.fp_win,
-        row.fp_score,
-        row.led_win,
-        row.led_active,
-        row.led_score,
-        cand_win,
-        cand_score.astype(jnp.float32),
-        nq=caps.nq,
-        promotion=promotion,
-    )
-    return plan, cand_k, cand_v, cand_win
+    return plan_for_row(row, cand_win, cand_score, promotion), cand_k, cand_v, cand_win
 
 
 def finish_row(row: Any, plan, cand_k, cand_v, cand_win, inv_freq: jax.Array, bound: int | None) -> Any:

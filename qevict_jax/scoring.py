@@ -18,6 +18,7 @@ independent of attention).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -67,38 +68,23 @@ def observation_mass(
 
 @dataclasses.dataclass(frozen=True)
 class Ranking:
-    """A ranking function (static, hashable). kind: one of ``config.RANKINGS``.
+    """Cumulative attention (the default ranking): the mass of the observation window's rows, then one decode
+    query row per step. Static and hashable; every ranking is a subclass overriding what differs.
 
-    n_obs: observation window (last prompt queries) that initializes the attention-based scores; pool: max-pool
-    kernel over neighbouring tokens of the observation rows (0 or 1 = none); decay: per-step factor of
-    "decayed"; p: exponent of "pnorm"; alpha: EMA factor of "restkv".
+    n_obs: observation window (the last prompt queries) that initializes the attention-based scores; pool:
+    max-pool kernel over neighbouring tokens of the observation rows (0 or 1 = none).
     """
 
-    kind: str = "cumulative"
-    decay: float = 0.98
-    p: float = 3.0
     n_obs: int = 32
     pool: int = 0
-    alpha: float = 0.3
-
-    @property
-    def attention_based(self) -> bool:
-        return self.kind != "keynorm"
+    name: ClassVar[str] = "cumulative"
 
     def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
         """One decode step: score [...] f32, mass [...] head-mean window mass -> new score."""
-        if self.kind in ("cumulative", "cumulative-all", "restkv"):
-            return score + mass
-        if self.kind == "decayed":
-            return self.decay * score + mass
-        if self.kind == "pnorm":
-            return score + jnp.power(jnp.maximum(mass, 0.0), self.p)
-        return score
+        return score + mass
 
     def candidate_score(self, ring_score: jax.Array, k_window: jax.Array) -> jax.Array:
         """Score of a window leaving the ring: ring_score [...], k_window [..., Hkv, W, D] -> [...]."""
-        if self.kind == "keynorm":
-            return key_norm_score(k_window)
         return ring_score
 
     def prefill_window_scores(
@@ -119,36 +105,105 @@ class Ranking:
         q [B, T, H, D], k [B, T, Hkv, D] (post-RoPE, positions 0..T-1), lengths [B] (right padding);
         column_mass [B, Hkv, G, T]: attention each key received from every valid query ("cumulative-all").
         v [B, T, Hkv, D] and wo [H*D, Dm] (the layer's output projection): needed by "restkv".
-
-        The attention-based rankings start from the observation window, the last ``n_obs`` prompt queries
-        (``observation_mass``), so that prefill and decode add mass in the same units (one query row = one
-        decode step): "cumulative" sums the rows, "decayed" weighs row i by ``decay^(n_obs - 1 - i)``,
-        "pnorm" sums each row's window mass to the power p. "cumulative-all" sums the mass of *every*
-        prompt query (H2O-style; early tokens collect mass from every later query: kept for ablation).
-        "restkv": the ReST-KV output-change score (``restkv_scores``, kernel-5 average pooling), head-mean,
-        summed per window, for windows that end before the observation window, rescaled per row so that
-        these windows' total equals their observation-window mass; later windows keep their observation
-        mass. "keynorm": minus the mean key norm of the window.
+        Here: the observation rows (``observation_mass``) summed, per window, so that prefill and decode add
+        mass in the same units (one query row = one decode step).
         """
-        if self.kind == "keynorm":
-            kw = prompt_windows(k, sink, window, num_windows)  # [B, NW, W, Hkv, D]
-            return key_norm_score(kw.swapaxes(2, 3))
-        if self.kind == "cumulative-all":
-            return window_sums(column_mass.mean(axis=(1, 2)), sink, window, num_windows)
-        rows = observation_mass(q, k, lengths, self.n_obs, sliding_window, self.pool)  # [B, n, T]
-        if self.kind == "decayed":
-            weights = jnp.power(self.decay, jnp.arange(self.n_obs - 1, -1, -1, dtype=jnp.float32))
-            return window_sums(jnp.einsum("bnt,n->bt", rows, weights), sink, window, num_windows)
-        if self.kind == "pnorm":
-            per_row = jax.vmap(lambda x: window_sums(x, sink, window, num_windows), in_axes=1, out_axes=1)(
-                rows
-            )
-            return jnp.sum(jnp.power(per_row, self.p), axis=1)
-        obs_w = window_sums(rows.sum(axis=1), sink, window, num_windows)
-        if self.kind == "cumulative":
-            return obs_w
+        return window_sums(self.rows(q, k, lengths, sliding_window).sum(axis=1), sink, window, num_windows)
+
+    def rows(self, q: jax.Array, k: jax.Array, lengths: jax.Array, sliding_window: int | None) -> jax.Array:
+        """The observation window's head-mean attention rows [B, n_obs, T] (``observation_mass``)."""
+        return observation_mass(q, k, lengths, self.n_obs, sliding_window, self.pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class CumulativeAllRanking(Ranking):
+    """Cumulative attention initialized from *every* prompt query (H2O-style). Early tokens collect mass
+    from every later query, so the prompt's first windows win: kept as the ablation of the observation
+    window."""
+
+    name: ClassVar[str] = "cumulative-all"
+
+    def prefill_window_scores(
+        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
+    ):
+        return window_sums(column_mass.mean(axis=(1, 2)), sink, window, num_windows)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecayedRanking(Ranking):
+    """Exponentially decayed attention: score <- decay * score + mass, per decode step; observation row i
+    weighs ``decay^(n_obs - 1 - i)``."""
+
+    decay: float = 0.98
+    name: ClassVar[str] = "decayed"
+
+    def update(self, score, mass):
+        return self.decay * score + mass
+
+    def prefill_window_scores(
+        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
+    ):
+        weights = jnp.power(self.decay, jnp.arange(self.n_obs - 1, -1, -1, dtype=jnp.float32))
+        rows = self.rows(q, k, lengths, sliding_window)
+        return window_sums(jnp.einsum("bnt,n->bt", rows, weights), sink, window, num_windows)
+
+
+@dataclasses.dataclass(frozen=True)
+class PNormRanking(Ranking):
+    """Attention p-norm: the sum over queries of each window's mass to the power ``p`` (rank-equivalent to
+    the p-norm of the window's mass over queries)."""
+
+    p: float = 3.0
+    name: ClassVar[str] = "pnorm"
+
+    def update(self, score, mass):
+        return score + jnp.power(jnp.maximum(mass, 0.0), self.p)
+
+    def prefill_window_scores(
+        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
+    ):
+        rows = self.rows(q, k, lengths, sliding_window)
+        per_row = jax.vmap(lambda x: window_sums(x, sink, window, num_windows), in_axes=1, out_axes=1)(rows)
+        return jnp.sum(jnp.power(per_row, self.p), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyNormRanking(Ranking):
+    """Minus the mean key norm of the window (low key norm = important); independent of attention."""
+
+    name: ClassVar[str] = "keynorm"
+
+    def update(self, score, mass):
+        return score
+
+    def candidate_score(self, ring_score, k_window):
+        return key_norm_score(k_window)
+
+    def prefill_window_scores(
+        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
+    ):
+        kw = prompt_windows(k, sink, window, num_windows)  # [B, NW, W, Hkv, D]
+        return key_norm_score(kw.swapaxes(2, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class RestKVRanking(Ranking):
+    """ReST-KV's output-change score at prefill (``restkv_scores``, kernel-5 average pooling), head-mean,
+    summed per window, for the windows that end before the observation window, rescaled per row so that
+    these windows' total equals their observation-window mass; later windows keep their observation mass.
+    Cumulative at decode. ``alpha``: EMA factor over the observation rows."""
+
+    alpha: float = 0.3
+    name: ClassVar[str] = "restkv"
+
+    def prefill_window_scores(
+        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
+    ):
         if v is None or wo is None:
             raise ValueError("the restkv ranking needs the values and the layer's W_O (LayerContext.wo)")
+        obs_w = super().prefill_window_scores(
+            q, k, lengths, column_mass, sink, window, num_windows, sliding_window
+        )
         tok = restkv_scores(q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None).mean(1)
         rest_w = window_sums(tok, sink, window, num_windows)
         win_end = sink + (jnp.arange(num_windows) + 1) * window
@@ -157,6 +212,22 @@ class Ranking:
         den = jnp.sum(jnp.where(early, rest_w, 0.0), axis=1, keepdims=True)
         scale = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
         return jnp.where(early, rest_w * scale, obs_w)
+
+
+RANKINGS: dict[str, type[Ranking]] = {
+    cls.name: cls
+    for cls in (Ranking, CumulativeAllRanking, DecayedRanking, PNormRanking, KeyNormRanking, RestKVRanking)
+}
+"""The rankings by name (``CacheConfig.ranking``, ``--set ranking=NAME``)."""
+
+
+def make_ranking(name: str, **params) -> Ranking:
+    """The ranking ``name`` with those of ``params`` (n_obs, pool, decay, p, alpha) that it has."""
+    if name not in RANKINGS:
+        raise ValueError(f"unknown ranking {name!r}; available: {', '.join(RANKINGS)}")
+    cls = RANKINGS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in params.items() if k in fields})
 
 
 def prompt_windows(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:

@@ -9,13 +9,17 @@ import numpy as np
 import pytest
 from test_quant import np_quantize
 
+from models.attention import chunked_attention
 from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.quant import dequantize_keys, dequantize_values
 from qevict_jax.budget import pyramid_layer_caps
+from qevict_jax.cache import ring_positions, ring_valid
 from qevict_jax.kv import full_kv_bytes
 from qevict_jax.methods import make_method
 from qevict_jax.routing import rotate_windows
+from qevict_jax.scoring import Ranking, make_ranking, restkv_scores, window_sums
+from qevict_jax.window import prefill_layer
 
 MODEL = ModelConfig(
     family="llama",
@@ -238,7 +242,6 @@ def test_restkv_matches_numpy():
 
 def test_restkv_adaptive_pooling_with_large_shifts():
     """Large position shifts between the halves of the observation window widen and shift the kernel."""
-    from qevict_jax.scoring import restkv_scores
 
     q, k, v, wo = inputs(5)
     end = jnp.asarray(LENGTHS, jnp.int32)
@@ -363,8 +366,6 @@ def test_streamingllm_keeps_sinks_and_the_recent_window():
     _, cache = run_prefill(method, q, k, v, wo)
     caps = cache.caps
     assert caps.nf == caps.nl == 0 and caps.recent > 0
-    from qevict_jax.tiered import ring_positions, ring_valid
-
     pos = np.asarray(ring_positions(cache.length, caps))
     ok = np.asarray(ring_valid(cache.length, cache.next_win, caps))
     for b in range(B):
@@ -392,8 +393,6 @@ def test_kivi_quantization_matches_numpy(name, bits):
     cache = jax.tree.map(lambda x: x[0], cache)
     caps = cache.caps
     assert caps.nf == 0 and caps.window == 32 and caps.recent == 128 and caps.bits == bits
-    from qevict_jax.tiered import prefill_layer
-
     inv = jnp.asarray(MODEL.inv_freq(), jnp.float32)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
@@ -433,32 +432,26 @@ def test_kivi_quantization_matches_numpy(name, bits):
 
 
 def test_qevict_restkv_ranks_prompt_windows_by_restkv():
-    from qevict_jax.scoring import Ranking, window_sums
-
     q, k, v, wo = inputs(12)
     f = lambda a: jnp.asarray(a, jnp.float32)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    from models.attention import chunked_attention
 
     valid = pos < lengths[:, None]
     _, mass = chunked_attention(f(q), f(k), f(v), pos, jnp.where(valid, pos, -1), None, 512, q_valid=valid)
     nw = (T - 5) // 8
     got = np.asarray(
-        Ranking("restkv").prefill_window_scores(f(q), f(k), lengths, mass, 5, 8, nw, None, f(v), f(wo))
+        make_ranking("restkv").prefill_window_scores(f(q), f(k), lengths, mass, 5, 8, nw, None, f(v), f(wo))
     )
     for b in range(B):
         n = LENGTHS[b]
-        from qevict_jax.scoring import restkv_scores
 
         tok = np.asarray(restkv_scores(f(q), f(k), f(v), lengths, f(wo), 32, 0.3, None, None))[b].mean(0)
         early = 5 + (np.arange(nw) + 1) * 8 <= n - 32
         rest_w = np.asarray(window_sums(jnp.asarray(tok)[None], 5, 8, nw))[0]
         ratio = got[b][early] / rest_w[early]
         np.testing.assert_allclose(ratio, ratio[0], rtol=1e-4)  # same order as ReST-KV, one scale per row
-        obs = np.asarray(
-            Ranking("cumulative").prefill_window_scores(f(q), f(k), lengths, mass, 5, 8, nw, None)
-        )
+        obs = np.asarray(Ranking().prefill_window_scores(f(q), f(k), lengths, mass, 5, 8, nw, None))
         np.testing.assert_allclose(got[b][early].sum(), obs[b][early].sum(), rtol=1e-4)  # obs-window units
         np.testing.assert_allclose(got[b][~early], obs[b][~early], rtol=1e-6)
 

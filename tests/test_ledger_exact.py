@@ -18,16 +18,16 @@ import pytest
 from test_routing import reference_assignment
 
 from models.config import ModelConfig
+from qevict_jax.cache import init_cache
 from qevict_jax.config import Capacities, ring_capacity
 from qevict_jax.routing import (
     LEDGER_FIELDS,
     apply_plan,
     dequantize_windows,
     plan_counts,
-    plan_routing,
+    plan_for_row,
     quantize_windows,
 )
-from qevict_jax.tiered import init_cache
 
 W, D, NF, NQ, K = 8, 8, 3, 4, 2
 MODEL = ModelConfig(
@@ -64,17 +64,7 @@ def jitted_event(nl: int, promotion: bool):
     the row moved on the bounded path with bound 1, whether the plan fits that bound)."""
 
     def event(row, cand_win, cand_score, cand_k, cand_v):
-        plan = plan_routing(
-            row.fp_win,
-            row.fp_score,
-            row.led_win,
-            row.led_active,
-            row.led_score,
-            cand_win,
-            cand_score,
-            nq=row.caps.nq,
-            promotion=promotion,
-        )
+        plan = plan_for_row(row, cand_win, cand_score, promotion)
         full = apply_plan(row, plan, cand_k, cand_v, cand_win, INV_FREQ)
         bounded = apply_plan(row, plan, cand_k, cand_v, cand_win, INV_FREQ, bound=1)
         return full, plan, bounded, plan_counts(plan, nl) <= 1

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.config import ModelConfig
+from qevict_jax.cache import init_cache
 from qevict_jax.config import Capacities, ring_capacity
 from qevict_jax.routing import plan_routing, route_row
 from qevict_jax.scoring import Ranking
-from qevict_jax.tiered import init_cache
 
 # (NF, NL, NQ, K): F slots, ledger slots, max active Q, candidates per event
 SHAPES = [(3, 5, 3, 2), (0, 4, 4, 2), (4, 0, 0, 3), (2, 6, 3, 4), (5, 3, 3, 1)]
@@ -281,7 +281,7 @@ def two_window_row(seed: int):
 
 @functools.cache
 def jitted_route(promotion: bool):
-    ranking = Ranking("cumulative")
+    ranking = Ranking()
     return jax.jit(jax.vmap(lambda row: route_row(row, INV_FREQ, ranking, promotion)))
 
 

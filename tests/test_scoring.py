@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qevict_jax.scoring import Ranking, window_sums
+from qevict_jax.scoring import Ranking, make_ranking, window_sums
 
 B, T, H, HKV, D = 2, 80, 6, 2, 8
 S, W = 5, 8
@@ -52,7 +52,7 @@ def np_windows(x: np.ndarray) -> np.ndarray:
 )
 def test_observation_window_scores_match_float64_reference(kind, n_obs, pool):
     q, k = _inputs(1)
-    ranking = Ranking(kind, decay=0.9, p=3.0, n_obs=n_obs, pool=pool)
+    ranking = make_ranking(kind, decay=0.9, p=3.0, n_obs=n_obs, pool=pool)
     got = np.asarray(
         ranking.prefill_window_scores(
             jnp.asarray(q, jnp.float32),
@@ -79,7 +79,7 @@ def test_observation_window_scores_match_float64_reference(kind, n_obs, pool):
 def test_observation_rows_sum_to_one_row_per_query():
     """Units: every observation query distributes exactly one unit of mass (one decode step's worth)."""
     q, k = _inputs(2)
-    got = Ranking("cumulative", n_obs=20).prefill_window_scores(
+    got = Ranking(n_obs=20).prefill_window_scores(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(LENGTHS), jnp.zeros((B, HKV, 3, T)), 0, 1, T, None
     )
     np.testing.assert_allclose(np.asarray(got).sum(-1), 20.0, rtol=1e-5)
@@ -88,7 +88,7 @@ def test_observation_rows_sum_to_one_row_per_query():
 def test_cumulative_all_is_the_column_mass_of_every_query():
     rs = np.random.RandomState(3)
     mass = rs.rand(B, HKV, H // HKV, T)
-    got = Ranking("cumulative-all").prefill_window_scores(
+    got = make_ranking("cumulative-all").prefill_window_scores(
         jnp.zeros((B, T, H, D)),
         jnp.zeros((B, T, HKV, D)),
         jnp.asarray(LENGTHS),

@@ -15,11 +15,12 @@ from test_quant import np_pack, np_quantize
 from models.config import ModelConfig
 from models.model import LayerContext, Transformer
 from pallas_kernels.reference import ledger_attention_reference
+from qevict_jax.cache import init_cache
 from qevict_jax.config import Capacities, ring_capacity
 from qevict_jax.kv import FullKV
 from qevict_jax.methods import cache_stats, make_method
 from qevict_jax.scoring import Ranking
-from qevict_jax.tiered import decode_layer, init_cache, prefill_layer, tier_attention
+from qevict_jax.window import decode_layer, prefill_layer, tier_attention
 
 MODEL = ModelConfig(
     family="llama",
@@ -113,7 +114,7 @@ def layer_inputs(seed: int, t: int):
 
 @functools.cache
 def jitted_layer(caps: Capacities):
-    ranking = Ranking("cumulative")
+    ranking = Ranking()
     inv = jnp.asarray(INV_FREQ, jnp.float32)
 
     def run(q, k, v, lengths, q1, k1, v1):

@@ -74,7 +74,7 @@ def resolve_methods(
             method = make_method(name, b, **options)
             if recent is not None and method.protects_recent and "recent" not in options:
                 method = configure(method, None, recent=recent)
-            methods.setdefault((name, method_budget(method, b)), method)
+            methods.setdefault((name, method.budget), method)
     if not methods:
         raise ValueError(f"none of the methods {', '.join(names)} is available")
     return methods
@@ -103,16 +103,6 @@ def check_feasible(
                 problems.append(f"{name} (β={budget}) at a {n}-token prompt: {err}")
     if problems:
         raise ValueError("some configurations cannot run:\n  " + "\n  ".join(problems))
-
-
-def method_budget(method: Any, requested: float | None = None) -> float | None:
-    """The byte budget β a method runs at: its ``budget`` (or ``cache.budget``) attribute; the requested one
-    for a budgeted method that exposes neither; None for methods without a budget."""
-    for owner in (method, getattr(method, "cache", None)):
-        budget = getattr(owner, "budget", None)
-        if isinstance(budget, int | float):
-            return float(budget)
-    return requested if getattr(method, "uses_budget", False) else None
 
 
 def _trace_total() -> int:

@@ -1,0 +1,257 @@
+"""The cache pytree of every budgeted method: ``TieredCache``, its constructor and abstract shapes, and the
+sink and ring helpers both engines share (DESIGN §4).
+
+Per layer and batch row the cache holds sink tokens, a local ring (recent region + the window being
+filled + the windows that left the recent region since the last routing event), and the history in the
+tiers of one of two engines: the window engine (``qevict_jax.window``: F windows in full precision,
+post-RoPE, and the ledger of INT2/INT4 windows, keys pre-RoPE; active = Q tier, dormant = codes kept for a
+promoted window) or the token pool of the per-head eviction baselines (``qevict_jax.pool``). Window w
+covers absolute positions ``[S + wW, S + (w+1)W)``; positions are never renumbered.
+
+Deviation from DESIGN §4: scores are kept per slot (``fp_score`` [B, NF], ``led_score`` [B, NL], ``loc_score``
+[B, RING/W]) and move with their window, instead of one ``score [B, NWmax]`` array indexed by window id.
+Evicted windows never come back, so nothing is lost, and the cache size no longer grows with the maximum
+sequence length: at a fixed byte budget NF and NQ are the same for any length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.attention import prompt_attention
+from models.config import ModelConfig
+from models.model import LayerContext
+from qevict_jax.config import Capacities
+
+
+@struct.dataclass
+class TieredCache:
+    """One layer's tiered cache (stacked caches carry a leading [L] axis on every array field).
+
+    S = sink, RING = ring slots, RW = RING / W, NF = F slots, NL = ledger slots, Wb = W*bits/8, Db = D*bits/8.
+    """
+
+    sink_k: jax.Array  # [B, Hkv, S, D] model dtype, post-RoPE, slot = position
+    sink_v: jax.Array  # [B, Hkv, S, D]
+    local_k: jax.Array  # [B, Hkv, RING, D] post-RoPE; position p >= S lives in slot (p - S) % RING
+    local_v: jax.Array  # [B, Hkv, RING, D]
+    loc_score: jax.Array  # [B, RW] f32 score of the window in each ring window slot (window w -> w % RW)
+    fp_k: jax.Array  # [B, Hkv, NF, W, D] F tier, post-RoPE
+    fp_v: jax.Array  # [B, Hkv, NF, W, D]
+    fp_win: jax.Array  # [B, NF] int32 window id in each F slot, -1 = empty
+    fp_score: jax.Array  # [B, NF] f32
+    led_kc: jax.Array  # [B, Hkv, NL, D, Wb] uint8 key codes, pre-RoPE, per-channel grid over the window
+    led_ks: jax.Array  # [B, Hkv, NL, D] f16 key scale
+    led_kz: jax.Array  # [B, Hkv, NL, D] f16 key min
+    led_vc: jax.Array  # [B, Hkv, NL, W, Db] uint8 value codes, per-token grid over head_dim
+    led_vs: jax.Array  # [B, Hkv, NL, W] f16 value scale
+    led_vz: jax.Array  # [B, Hkv, NL, W] f16 value min
+    led_win: jax.Array  # [B, NL] int32 window id, -1 = free
+    led_active: jax.Array  # [B, NL] bool: True = in Q, False (with win >= 0) = dormant copy of an F window
+    led_score: jax.Array  # [B, NL] f32 (meaningful for active entries)
+    length: jax.Array  # [B] int32 tokens seen
+    next_win: jax.Array  # [B] int32 first window id still in the ring (lower ids have been routed)
+    steps: jax.Array  # [B] int32 decode steps since prefill
+    routing_events: jax.Array  # [B] int32 decode routing events
+    promotions: jax.Array  # [B] int32 Q -> F transitions
+    demotions: jax.Array  # [B] int32 F -> Q transitions
+    evictions: jax.Array  # [B] int32 windows evicted (prefill included)
+    # head pool (pool layout, NP = Hkv * pool_per_head token slots; zero-sized in the other layouts)
+    hp_k: jax.Array  # [B, NP, D] post-RoPE key of one KV head at one position
+    hp_v: jax.Array  # [B, NP, D]
+    hp_pos: jax.Array  # [B, NP] int32 absolute position, -1 = empty
+    hp_head: jax.Array  # [B, NP] int8 owning KV head
+    hp_score: jax.Array  # [B, NPS] f32 running score (NPS = NP with decode-time eviction, else 0)
+    ring_hscore: jax.Array  # [B, Hkv, RS] f32 per-head score of each ring slot (RS = RING or 0, as NPS)
+    caps: Capacities = struct.field(pytree_node=False)
+
+
+def init_cache(
+    caps: Capacities,
+    model_cfg: ModelConfig,
+    batch: int,
+    dtype: Any,
+    lengths: jax.Array | None = None,
+) -> TieredCache:
+    """An empty stacked cache: every array field has a leading [L] axis. lengths: [B] tokens seen."""
+    L, hkv, d = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
+    b, w, nf, nl = batch, caps.window, caps.nf, caps.nl
+    per = 8 // caps.bits
+
+    def z(shape, dt):
+        return jnp.zeros((L, b, *shape), dt)
+
+    if lengths is None:
+        lengths = jnp.zeros((b,), jnp.int32)
+    counter = z((), jnp.int32)
+    npool = hkv * caps.pool_per_head
+    nps = npool if caps.pool_scores else 0
+    return TieredCache(
+        sink_k=z((hkv, caps.sink, d), dtype),
+        sink_v=z((hkv, caps.sink, d), dtype),
+        local_k=z((hkv, caps.ring, d), dtype),
+        local_v=z((hkv, caps.ring, d), dtype),
+        loc_score=z((caps.ring_windows,), jnp.float32),
+        fp_k=z((hkv, nf, w, d), dtype),
+        fp_v=z((hkv, nf, w, d), dtype),
+        fp_win=jnp.full((L, b, nf), -1, jnp.int32),
+        fp_score=z((nf,), jnp.float32),
+        led_kc=z((hkv, nl, d, w // per), jnp.uint8),
+        led_ks=z((hkv, nl, d), jnp.float16),
+        led_kz=z((hkv, nl, d), jnp.float16),
+        led_vc=z((hkv, nl, w, d // per), jnp.uint8),
+        led_vs=z((hkv, nl, w), jnp.float16),
+        led_vz=z((hkv, nl, w), jnp.float16),
+        led_win=jnp.full((L, b, nl), -1, jnp.int32),
+        led_active=z((nl,), bool),
+        led_score=z((nl,), jnp.float32),
+        length=jnp.broadcast_to(lengths.astype(jnp.int32), (L, b)),
+        next_win=counter,
+        steps=counter,
+        routing_events=counter,
+        promotions=counter,
+        demotions=counter,
+        evictions=counter,
+        hp_k=z((npool, d), dtype),
+        hp_v=z((npool, d), dtype),
+        hp_pos=jnp.full((L, b, npool), -1, jnp.int32),
+        hp_head=jnp.broadcast_to(
+            (jnp.arange(npool, dtype=jnp.int32) // max(1, caps.pool_per_head)).astype(jnp.int8), (L, b, npool)
+        ),
+        hp_score=z((nps,), jnp.float32),
+        ring_hscore=z((hkv, caps.ring if caps.pool_scores else 0), jnp.float32),
+        caps=caps,
+    )
+
+
+class SizedByCapacities:
+    """Mixin of the methods whose cache is a ``TieredCache`` sized by their ``capacities(...)`` (and whose
+    static configuration is a ``CacheConfig`` field ``cache``)."""
+
+    stacked_cache: ClassVar[bool] = False  # attend fns see one layer's slice (``models.model.write_layer``)
+
+    @property
+    def budget(self) -> float | None:
+        """β of a budgeted method (``cache.budget``); None for one that keeps what it keeps (KIVI)."""
+        return float(self.cache.budget) if self.uses_budget else None
+
+    def init_cache(
+        self,
+        model_cfg: ModelConfig,
+        prompt_lengths: jax.Array,
+        prompt_capacity: int,
+        max_new_tokens: int,
+        dtype: Any,
+        budget_tokens: int,
+    ) -> TieredCache:
+        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
+        b = prompt_lengths.shape[0]
+        caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
+        return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
+
+    def routing_due(self, cache: TieredCache) -> jax.Array:
+        """[] bool: the step just taken brings the decode step count to a multiple of Ω (every row and layer
+        counts the same steps), so a routing event is due now."""
+        if not cache.caps.decode_routing:
+            return jnp.bool_(False)
+        return jnp.mod(cache.steps[0, 0], cache.caps.omega) == 0
+
+    def decode_route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+        """After a decode step of every layer: a routing event (``route``) of every layer and row when one is
+        due (``routing_due``). Outside the layer scan, so a step without one copies nothing."""
+        if not cache.caps.decode_routing:
+            return cache
+        return jax.lax.cond(self.routing_due(cache), lambda c: self.route(c, inv_freq), lambda c: c, cache)
+
+
+def abstract_cache(caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any) -> TieredCache:
+    """Shapes and dtypes of the stacked cache, without allocating (``jax.eval_shape``)."""
+    return jax.eval_shape(lambda: init_cache(caps, model_cfg, batch, dtype))
+
+
+# ---------------------------------------------------------------------------------------------- sink and ring
+
+
+def ring_positions(length: jax.Array, caps: Capacities) -> jax.Array:
+    """Absolute position held by each ring slot: [B] lengths -> [B, RING] (the newest position <= n - 1
+    congruent to the slot; may be < S, i.e. never written)."""
+    j = jnp.arange(caps.ring, dtype=jnp.int32)
+    n1 = length[:, None] - 1
+    return n1 - jnp.mod(n1 - caps.sink - j, caps.ring)
+
+
+def ring_valid(length: jax.Array, next_win: jax.Array, caps: Capacities) -> jax.Array:
+    """[B, RING] bool: slot holds a token of a window not routed yet."""
+    pos = ring_positions(length, caps)
+    return (pos >= caps.sink) & (pos >= caps.sink + next_win[:, None] * caps.window)
+
+
+def window_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """[B, N] keys within the sliding window of the query at q_pos [B] (all True without one)."""
+    if sliding_window is None:
+        return jnp.ones(k_pos.shape, bool)
+    return q_pos[:, None] - k_pos < sliding_window
+
+
+def write_slot(buf: jax.Array, x: jax.Array, slot: jax.Array, enabled: jax.Array) -> jax.Array:
+    """buf [B, Hkv, N, D] with x [B, Hkv, D] written at slot [B] where enabled [B]."""
+    hit = (jnp.arange(buf.shape[2])[None, :] == slot[:, None]) & enabled[:, None]
+    return jnp.where(hit[:, None, :, None], x[:, :, None, :].astype(buf.dtype), buf)
+
+
+def shared_prompt_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, ctx: LayerContext, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """(out [B, T, H, D], column mass [B, Hkv, G, T]) of the prompt pass: ``ctx.prompt_attention`` when a
+    shared prefill computed it, else ``models.attention.prompt_attention``."""
+    if ctx.prompt_attention is not None:
+        return ctx.prompt_attention
+    return prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, chunk)
+
+
+def fill_sink_and_ring(
+    cache: TieredCache, k: jax.Array, v: jax.Array, lengths: jax.Array, routed: jax.Array
+) -> tuple[TieredCache, jax.Array]:
+    """After a prompt pass: the first S tokens into the sinks, the unrouted tail into the ring.
+
+    k, v [B, T, Hkv, D] post-RoPE (right-padded rows, row b holds ``lengths[b]`` tokens); routed [B]: the
+    prompt's windows (window layouts) or tokens (pool layout, W = 1) that already left the ring.
+    Returns (cache with sink_k/v, local_k/v and next_win set, ring_ok [B, RING]: slots holding a token).
+    """
+    caps = cache.caps
+    s = caps.sink
+    b, t = k.shape[:2]
+    kt, vt = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, Hkv, T, D]
+    take = lambda x, idx: jnp.take_along_axis(x, jnp.clip(idx, 0, t - 1)[:, None, :, None], axis=2)
+    sink_pos = jnp.arange(s, dtype=jnp.int32)
+    sink_ok = (sink_pos[None] < lengths[:, None])[:, None, :, None]
+    sink_idx = jnp.broadcast_to(sink_pos, (b, s))
+    ring_pos = ring_positions(lengths, caps)
+    ring_ok = ring_valid(lengths, routed, caps)
+    cache = cache.replace(
+        sink_k=jnp.where(sink_ok, take(kt, sink_idx), 0).astype(cache.sink_k.dtype),
+        sink_v=jnp.where(sink_ok, take(vt, sink_idx), 0).astype(cache.sink_v.dtype),
+        local_k=jnp.where(ring_ok[:, None, :, None], take(kt, ring_pos), 0).astype(cache.local_k.dtype),
+        local_v=jnp.where(ring_ok[:, None, :, None], take(vt, ring_pos), 0).astype(cache.local_v.dtype),
+        next_win=routed.astype(jnp.int32),
+    )
+    return cache, ring_ok
+
+
+def write_token(cache: TieredCache, pos: jax.Array, k: jax.Array, v: jax.Array) -> TieredCache:
+    """A decode step's token k, v [B, Hkv, D] (post-RoPE, at positions pos [B]) into the sink or the ring;
+    ``length = pos + 1``."""
+    caps = cache.caps
+    in_sink = pos < caps.sink
+    ring_slot = jnp.mod(pos - caps.sink, caps.ring)
+    return cache.replace(
+        sink_k=write_slot(cache.sink_k, k, pos, in_sink),
+        sink_v=write_slot(cache.sink_v, v, pos, in_sink),
+        local_k=write_slot(cache.local_k, k, ring_slot, ~in_sink),
+        local_v=write_slot(cache.local_v, v, ring_slot, ~in_sink),
+        length=pos + 1,
+    )

@@ -1,0 +1,273 @@
+"""The token-pool engine of the per-head eviction baselines (H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV,
+CriticalKV, ReST-KV): sinks, the ring, and a pool of token slots each owned by one KV head, so that every
+head keeps its own tokens (uniform, layer-varying or head-adaptive budgets) while the memory is the pool
+itself, sized by the budget. A *policy* (``qevict_jax.baselines``) supplies the scores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.attention import NEG_INF
+from models.model import LayerContext
+from pallas_kernels.reference import combine_partials
+from qevict_jax.cache import (
+    TieredCache,
+    fill_sink_and_ring,
+    ring_positions,
+    ring_valid,
+    shared_prompt_attention,
+    write_token,
+)
+from qevict_jax.routing import _rank, assign_slots, ring_candidates
+
+
+def pool_partial(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Attention partial of queries q [B, Hkv, G, T, D] over keys k, v [B, Hkv, N, D] (per-head keys) or
+    [B, N, D] (pool keys shared by every head, owner masked) with mask [B, Hkv, G, T, N] (broadcastable).
+
+    Returns (out [B, Hkv, G, T, D], m, l [B, Hkv, G, T], exp sums [B, Hkv, G, T, N]), all f32.
+    """
+    b, hkv, g, t, d = q.shape
+    n = k.shape[-2]
+    if n == 0:
+        zeros = jnp.zeros((b, hkv, g, t), jnp.float32)
+        return jnp.zeros((b, hkv, g, t, d)), zeros + NEG_INF, zeros, jnp.zeros((b, hkv, g, t, 0))
+    qs = q.astype(jnp.float32) * d**-0.5
+    if k.ndim == 3:
+        s = jnp.einsum("bkgtd,bnd->bkgtn", qs, k.astype(jnp.float32))
+    else:
+        s = jnp.einsum("bkgtd,bknd->bkgtn", qs, k.astype(jnp.float32))
+    s = jnp.where(mask, s, NEG_INF)
+    m = s.max(-1)
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    if v.ndim == 3:
+        out = jnp.einsum("bkgtn,bnd->bkgtd", p, v.astype(jnp.float32))
+    else:
+        out = jnp.einsum("bkgtn,bknd->bkgtd", p, v.astype(jnp.float32))
+    return out, m, p.sum(-1), p
+
+
+class PoolAttention(struct.PyTreeNode):
+    """Attention of T queries over the pool layout: out [B, T, H, D] (query dtype); probabilities
+    pool [B, Hkv, G, T, NP] and ring [B, Hkv, G, T, RING] (f32)."""
+
+    out: jax.Array
+    pool: jax.Array
+    ring: jax.Array
+
+
+def pool_attention(q: jax.Array, q_pos: jax.Array, cache: TieredCache, sliding_window) -> PoolAttention:
+    """Queries q [B, T, H, D] (post-RoPE) at q_pos [B, T] (-1 = padding) over sinks, the head pool and the
+    ring of one layer, causal by absolute position. The cache must already hold the current tokens."""
+    caps = cache.caps
+    b, t, h, d = q.shape
+    hkv = cache.sink_k.shape[1]
+    g = h // hkv
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+
+    def causal(k_pos):  # k_pos [B, N] -> [B, 1, 1, T, N]
+        ok = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0) & (q_pos[:, :, None] >= 0)
+        if sliding_window is not None:
+            ok &= q_pos[:, :, None] - k_pos[:, None, :] < sliding_window
+        return ok[:, None, None]
+
+    sink_pos = jnp.broadcast_to(jnp.arange(caps.sink, dtype=jnp.int32), (b, caps.sink))
+    sink_pos = jnp.where(sink_pos < cache.length[:, None], sink_pos, -1)
+    p_sink = pool_partial(qg, cache.sink_k, cache.sink_v, causal(sink_pos))
+    owner = (
+        cache.hp_head.astype(jnp.int32)[:, None, None, None, :] == jnp.arange(hkv)[None, :, None, None, None]
+    )
+    p_pool = pool_partial(qg, cache.hp_k, cache.hp_v, causal(cache.hp_pos) & owner)
+    ring_pos = ring_positions(cache.length, caps)
+    ring_pos = jnp.where(ring_valid(cache.length, cache.next_win, caps), ring_pos, -1)
+    p_ring = pool_partial(qg, cache.local_k, cache.local_v, causal(ring_pos))
+    parts = (p_sink, p_pool, p_ring)
+    out, weights = combine_partials([p[:3] for p in parts])
+    probs = [p[3] * wt[..., None] for p, wt in zip(parts, weights, strict=True)]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    return PoolAttention(out=out, pool=probs[1], ring=probs[2])
+
+
+def select_pool(
+    scores: jax.Array,
+    eligible: jax.Array,
+    per_head: int,
+    layer_cap: jax.Array | int,
+    adaptive: bool,
+    alpha_safeguard: float = 0.2,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Choose the pool content from token scores [B, Hkv, T] (higher = keep) over ``eligible`` [B, T].
+
+    Uniform (``adaptive=False``): each head keeps its top ``layer_cap`` (<= per_head) tokens in its own
+    ``per_head`` slots (slot = head * per_head + rank). Adaptive (Ada-KV, arXiv 2407.11550): every head
+    first secures its top ``int(alpha_safeguard * per_head)`` tokens, then the layer's ``Hkv * per_head``
+    slots go to the top scores over all heads together; a slot records its owner head.
+    Returns (position [B, NP] int32, -1 = empty; owner head [B, NP] int32; score [B, NP] f32).
+    """
+    b, hkv, t = scores.shape
+    s = jnp.where(eligible[:, None, :], scores.astype(jnp.float32), -jnp.inf)
+    k = min(per_head, t)
+    if not adaptive:
+        vals, idx = jax.lax.top_k(s, k)  # [B, Hkv, k]
+        ok = (jnp.arange(k) < layer_cap)[None, None] & (vals > -jnp.inf)
+        pos = jnp.where(ok, idx, -1).astype(jnp.int32)
+        head = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[None, :, None], pos.shape)
+        pad = per_head - k
+        pos = jnp.pad(pos, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+        head = jnp.pad(head, ((0, 0), (0, 0), (0, pad)), mode="edge") if pad else head
+        vals = jnp.pad(jnp.where(ok, vals, 0.0), ((0, 0), (0, 0), (0, pad)))
+        return pos.reshape(b, -1), head.reshape(b, -1), vals.reshape(b, -1)
+    n_safe = int(per_head * alpha_safeguard)
+    forced = s
+    if n_safe:
+        _, top = jax.lax.top_k(s, min(n_safe, t))
+        hit = (
+            jnp.zeros(s.shape, bool)
+            .at[jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None], top]
+            .set(True)
+        )
+        forced = jnp.where(hit & (s > -jnp.inf), jnp.finfo(jnp.float32).max, s)
+    total = hkv * per_head
+    kk = min(total, hkv * t)
+    vals, idx = jax.lax.top_k(forced.reshape(b, hkv * t), kk)
+    ok = vals > -jnp.inf
+    head = (idx // t).astype(jnp.int32)
+    pos = jnp.where(ok, idx % t, -1).astype(jnp.int32)
+    true_score = jnp.take_along_axis(s.reshape(b, hkv * t), idx, axis=1)
+    pad = total - kk
+    pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
+    head = jnp.pad(head, ((0, 0), (0, pad)))
+    return pos, head, jnp.pad(jnp.where(ok, true_score, 0.0), ((0, 0), (0, pad)))
+
+
+def pool_prefill_layer(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, policy: Any, chunk: int
+) -> tuple[jax.Array, TieredCache]:
+    """Prompt pass of one layer in the pool layout: q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows
+    right-padded. Returns (out [B, T, H, D], cache).
+
+    The prompt (positions < ``cache.length``) is attended causally and scored by ``policy``; positions
+    ``S <= p < length - R`` compete for the pool, the last R tokens stay in the ring.
+    """
+    caps = cache.caps
+    s = caps.sink
+    b, t = q.shape[:2]
+    hkv = k.shape[2]
+    lengths = cache.length
+    positions = ctx.positions
+    out, mass = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
+    scores = policy.prefill_scores(q, k, v, positions, lengths, mass, ctx, caps)  # [B, Hkv, T]
+    routed = jnp.maximum(0, lengths - s - caps.recent)  # tokens leaving the ring: S <= p < S + routed
+    eligible = (positions >= s) & (positions < s + routed[:, None])
+    layer_cap = jnp.asarray(caps.layer_caps, jnp.int32)[ctx.layer] if caps.layer_caps else caps.pool_per_head
+    pos, head, slot_score = select_pool(
+        scores, eligible, caps.pool_per_head, layer_cap, policy.adaptive, policy.alpha_safeguard
+    )
+    flat = head * t + jnp.clip(pos, 0, t - 1)  # [B, NP]
+    kt = k.swapaxes(1, 2).reshape(b, hkv * t, -1)  # [B, Hkv*T, D]
+    vt = v.swapaxes(1, 2).reshape(b, hkv * t, -1)
+    ok = (pos >= 0)[..., None]
+    hp_k = jnp.where(ok, jnp.take_along_axis(kt, flat[..., None], axis=1), 0).astype(cache.hp_k.dtype)
+    hp_v = jnp.where(ok, jnp.take_along_axis(vt, flat[..., None], axis=1), 0).astype(cache.hp_v.dtype)
+    kept = jnp.sum(pos >= 0, axis=1, dtype=jnp.int32)
+    evicted = hkv * jnp.sum(eligible, axis=1, dtype=jnp.int32) - kept
+
+    cache, ring_ok = fill_sink_and_ring(cache, k, v, lengths, routed)
+    cache = cache.replace(
+        hp_k=hp_k,
+        hp_v=hp_v,
+        hp_pos=pos,
+        hp_head=head.astype(jnp.int8),
+        evictions=cache.evictions + evicted,
+    )
+    if caps.pool_scores:
+        ring_pos = ring_positions(lengths, caps)
+        ring_sc = jnp.take_along_axis(scores, jnp.clip(ring_pos, 0, t - 1)[:, None, :], axis=2)
+        cache = cache.replace(
+            hp_score=slot_score.astype(jnp.float32),
+            ring_hscore=jnp.where(ring_ok[:, None, :], ring_sc, 0.0).astype(jnp.float32),
+        )
+    return out, cache
+
+
+def pool_decode_layer(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, policy: Any
+) -> tuple[jax.Array, TieredCache]:
+    """One decode step in the pool layout: q [B, 1, H, D], k, v [B, 1, Hkv, D] -> (out [B, 1, H, D], cache).
+
+    The token goes to the sink or the ring; attention reads sinks, pool and ring. With decode-time eviction
+    the policy's per-head attention statistic updates the slot and ring scores; every Ω steps, after the
+    layer scan (``decode_route``), the tokens that left the recent region compete with each head's pool
+    slots (``route_pool_row``).
+    """
+    caps = cache.caps
+    s = caps.sink
+    pos = ctx.positions[:, 0]
+    in_sink = pos < s
+    ring_slot = jnp.mod(pos - s, caps.ring)
+    cache = write_token(cache, pos, k[:, 0], v[:, 0])
+    cache = cache.replace(steps=cache.steps + 1)
+    att = pool_attention(q, ctx.positions, cache, ctx.cfg.sliding_window)
+    if not caps.decode_routing:
+        return att.out, cache
+    fresh = (jnp.arange(caps.ring)[None] == ring_slot[:, None]) & ~in_sink[:, None]  # [B, RING]
+    ring_score = jnp.where(fresh[:, None], 0.0, cache.ring_hscore)
+    own = att.pool[:, :, :, 0].mean(axis=2)  # [B, Hkv, NP] group mean
+    own = jnp.take_along_axis(own, cache.hp_head.astype(jnp.int32)[:, None, :], axis=1)[:, 0]  # owner's
+    slot_mass = policy.slot_mass(own, caps.pool_per_head)  # [B, NP]
+    cache = cache.replace(
+        hp_score=jnp.where(cache.hp_pos >= 0, policy.update(cache.hp_score, slot_mass), 0.0),
+        ring_hscore=policy.update(ring_score, policy.decode_mass(att.ring[:, :, :, 0])),
+    )
+    return att.out, cache
+
+
+def route_pool_row(row: Any, policy: Any) -> Any:
+    """Decode-time eviction for one batch row of the pool layout (uniform per-head slots).
+
+    The tokens that left the recent region (``ring_candidates`` with W = 1) compete, head by head, with
+    the head's ``pool_per_head`` slots: the top ``pool_per_head`` scores stay (ties: pool slots first, then
+    older candidates), newcomers take the freed slots.
+    """
+    caps = row.caps
+    pph = caps.pool_per_head
+    cand_win, ring_slot = ring_candidates(row)  # [K]
+    hkv, _, d = row.local_k.shape
+    cand_k = row.local_k[:, ring_slot]  # [Hkv, K, D]
+    cand_v = row.local_v[:, ring_slot]
+    cand_score = policy.candidate_score(row.ring_hscore[:, ring_slot], cand_k)  # [Hkv, K]
+    cand_pos = caps.sink + cand_win
+
+    def per_head(slot_pos, slot_score, c_score):
+        valid = jnp.concatenate([slot_pos >= 0, cand_win >= 0])
+        score = jnp.concatenate([slot_score, c_score]).astype(jnp.float32)
+        keep = valid & (_rank(jnp.where(valid, score, -jnp.inf)) < pph)
+        keep_slot, keep_cand = jnp.split(keep, [pph])
+        target = assign_slots(~keep_slot, keep_cand)  # [K], pph = none
+        new_pos = jnp.where(keep_slot, slot_pos, -1).at[target].set(cand_pos, mode="drop")
+        new_score = jnp.where(keep_slot, slot_score, 0.0).at[target].set(c_score, mode="drop")
+        return new_pos, new_score, target, jnp.sum(valid & ~keep, dtype=jnp.int32)
+
+    pos, score, target, gone = jax.vmap(per_head)(
+        row.hp_pos.reshape(hkv, pph), row.hp_score.reshape(hkv, pph), cand_score
+    )
+    slot = (jnp.arange(hkv)[:, None] * pph + jnp.where(target < pph, target, hkv * pph)).reshape(-1)
+    hp_k = row.hp_k.at[slot].set(cand_k.reshape(-1, d).astype(row.hp_k.dtype), mode="drop")
+    hp_v = row.hp_v.at[slot].set(cand_v.reshape(-1, d).astype(row.hp_v.dtype), mode="drop")
+    new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
+    return row.replace(
+        hp_k=hp_k,
+        hp_v=hp_v,
+        hp_pos=pos.reshape(-1),
+        hp_score=score.reshape(-1),
+        next_win=new_next,
+        routing_events=row.routing_events + 1,
+        evictions=row.evictions + gone.sum(),
+    )
