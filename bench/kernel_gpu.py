@@ -36,14 +36,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.fused_attention import (  # noqa: E402
-    dense_slot_attention,
-    dense_slot_attention_reference,
-    fused_attention,
-    fused_attention_reference,
-)
+from pallas_kernels.fused_attention import dense_slot_attention, fused_attention  # noqa: E402
 from pallas_kernels.ledger_attention import ledger_attention  # noqa: E402
-from pallas_kernels.reference import ledger_attention_reference  # noqa: E402
+from pallas_kernels.quant import QuantizedWindows  # noqa: E402
+from pallas_kernels.reference import (  # noqa: E402
+    DenseTier,
+    QuantTier,
+    ledger_partial,
+    slot_partial,
+    tier_attention_reference,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +101,14 @@ def ledger_inputs(key, b: int, nl: int, s: Setup, ctx: int, valid_frac: float = 
     wins = jnp.sort(jax.random.permutation(ks_[0], n_windows)[:nl])
     valid = jax.random.uniform(ks_[1], (b, nl)) < valid_frac
     return dict(
-        kc=jax.random.bits(ks_[2], (b, hkv, nl, d, w // per), jnp.uint8),
-        ks=_uniform(ks_[3], (b, hkv, nl, d), 0.1 / levels, 1.5 / levels, jnp.float16),
-        kz=_uniform(ks_[4], (b, hkv, nl, d), -1.0, 0.0, jnp.float16),
-        vc=jax.random.bits(ks_[5], (b, hkv, nl, w, d // per), jnp.uint8),
-        vs=_uniform(ks_[6], (b, hkv, nl, w), 0.1 / levels, 1.5 / levels, jnp.float16),
-        vz=_uniform(ks_[7], (b, hkv, nl, w), -1.0, 0.0, jnp.float16),
+        codes=QuantizedWindows(
+            k_codes=jax.random.bits(ks_[2], (b, hkv, nl, d, w // per), jnp.uint8),
+            k_scale=_uniform(ks_[3], (b, hkv, nl, d), 0.1 / levels, 1.5 / levels, jnp.float16),
+            k_zero=_uniform(ks_[4], (b, hkv, nl, d), -1.0, 0.0, jnp.float16),
+            v_codes=jax.random.bits(ks_[5], (b, hkv, nl, w, d // per), jnp.uint8),
+            v_scale=_uniform(ks_[6], (b, hkv, nl, w), 0.1 / levels, 1.5 / levels, jnp.float16),
+            v_zero=_uniform(ks_[7], (b, hkv, nl, w), -1.0, 0.0, jnp.float16),
+        ),
         slot_start=jnp.broadcast_to(s.sink + w * wins, (b, nl)).astype(jnp.int32),
         slot_valid=valid,
         inv_freq=(1.0 / 10000.0 ** (jnp.arange(0, d, 2) / d)).astype(jnp.float32),
@@ -128,16 +132,27 @@ def tier_inputs(key, b: int, ctx: int, s: Setup, dtype=jnp.bfloat16, valid_frac:
         fp_valid=jax.random.uniform(k[6], (b, nf)) < valid_frac,
         local_k=normal(k[7], b, hkv, nr, d),
         local_v=normal(k[8], b, hkv, nr, d),
-        local_pos=jnp.broadcast_to(ctx - nr + jnp.arange(nr), (b, nr)).astype(jnp.int32),
+        local_valid=jnp.ones((b, nr), bool),
     )
     return args
 
 
-LEDGER_KEYS = ("q", "kc", "ks", "kz", "vc", "vs", "vz", "slot_start", "slot_valid", "inv_freq")
-
-
 def ledger_args(args: dict) -> dict:
-    return {k: args[k] for k in LEDGER_KEYS}
+    """``ledger_attention``'s keyword arguments: q, tier (``QuantTier``), inv_freq."""
+    tier = QuantTier(args["codes"], args["slot_start"], args["slot_valid"])
+    return dict(q=args["q"], tier=tier, inv_freq=args["inv_freq"])
+
+
+def fused_args(args: dict) -> dict:
+    """``fused_attention``'s keyword arguments: q, the four tiers, inv_freq."""
+    return dict(
+        q=args["q"],
+        sink=DenseTier(args["sink_k"], args["sink_v"], args["sink_valid"]),
+        fp=DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]),
+        ledger=ledger_args(args)["tier"],
+        local=DenseTier(args["local_k"], args["local_v"], args["local_valid"]),
+        inv_freq=args["inv_freq"],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -166,12 +181,12 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
         args["slot_valid"] = args["slot_valid"].at[1].set(False)  # a row with every Q slot masked
         opts = dict(window=setup.window, bits=bits)
         with jax.default_matmul_precision("highest"):
-            want_l = ledger_attention_reference(**ledger_args(args), **opts)
-            want_f = fused_attention_reference(**args, **opts)
-            dense = (args["q"], args["fp_k"], args["fp_v"], args["fp_valid"])
-            want_d = dense_slot_attention_reference(*dense)
+            want_l = ledger_partial(**ledger_args(args), **opts)
+            want_f = tier_attention_reference(**fused_args(args), **opts)
+            dense = (args["q"], DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]))
+            want_d = slot_partial(*dense)
         got_l = ledger_attention(**ledger_args(args), **opts, interpret=interpret, poison=True)
-        got_f = fused_attention(**args, **opts, interpret=interpret, poison=True)
+        got_f = fused_attention(**fused_args(args), **opts, interpret=interpret, poison=True)
         got_d = dense_slot_attention(*dense, interpret=interpret, poison=True)
         m_ok = bool(np.all(np.asarray(got_l[1])[1] == np.float32(-1e30)))
         errs = {
@@ -187,7 +202,7 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
         worst = max(errs.values())
         passed = worst <= tol[dtype] and m_ok
         ok &= passed
-        nl = args["kc"].shape[2]
+        nl = args["codes"].k_codes.shape[2]
         print(
             f"  {'PASS' if passed else 'FAIL'} dtype={jnp.dtype(dtype).name} INT{bits} NL={nl} "
             f"NF={args['fp_k'].shape[2]} masked-row m ok={m_ok} worst={worst:.2e} (tol {tol[dtype]:g})"
@@ -222,15 +237,15 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * x.nbytes / sec / 1e9
 
 
-def nbytes(*arrays) -> int:
-    return sum(int(a.nbytes) for a in arrays)
+def nbytes(tree) -> int:
+    return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
 
 
 def sweep_ledger(s: Setup, ctx: int, b: int, interpret: bool, iters: int) -> dict:
     """Time a few ledger-kernel configurations; returns the fastest as keyword options."""
     print(f"== ledger kernel sweep (context {ctx}, batch {b})")
     args = ledger_args(tier_inputs(jax.random.PRNGKey(1), b, ctx, s))
-    read = nbytes(*args.values())
+    read = nbytes(args)
     best, best_t = {}, float("inf")
     for block, warps, stages in [(2, 4, 2), (4, 4, 2), (4, 8, 2), (8, 8, 2), (4, 8, 3), (8, 8, 3)]:
         opts = dict(block_slots=block, num_warps=warps, num_stages=stages)
@@ -276,11 +291,13 @@ def bench_table(s: Setup, contexts, batches, interpret: bool, iters: int, ledger
             full_s = time_call(full, q, kf, vf, iters=iters)
             del kf, vf
             args = tier_inputs(key, b, ctx, s)
-            fused_s = time_call(lambda a: fused(**a), args, iters=iters)
+            fused_s = time_call(lambda a: fused(**a), fused_args(args), iters=iters)
             largs = ledger_args(args)
             q_s = time_call(lambda a: ledger(**a), largs, iters=iters)
-            q_gbs = nbytes(*largs.values()) / q_s / 1e9
-            rows.append((ctx, b, args["kc"].shape[2], args["fp_k"].shape[2], full_s, fused_s, q_s, q_gbs))
+            q_gbs = nbytes(largs) / q_s / 1e9
+            rows.append(
+                (ctx, b, args["codes"].k_codes.shape[2], args["fp_k"].shape[2], full_s, fused_s, q_s, q_gbs)
+            )
             del args, largs
             print(
                 f"  ctx {ctx:>6} B {b}: full {full_s * 1e6:9.1f} us | qevict {fused_s * 1e6:9.1f} us | "

@@ -1,6 +1,6 @@
 """Decode attention over the packed ledger on the CPU: an XLA FFI custom call read straight from the codes.
 
-``ledger_attention_cpu`` has the signature and the result of ``reference.ledger_attention_reference`` (up to
+``ledger_attention_cpu`` has the signature and the result of ``reference.ledger_partial`` (up to
 float32 rounding); ``cpu/ledger_attention.cc`` is the kernel. The shared library is compiled on first use
 with the machine's C++ compiler (``$CXX``, else ``g++``) against the FFI headers that jaxlib ships, into
 ``$QEVICT_CACHE/kernels`` (else ``~/.cache/qevict-jax/kernels``), named by a hash of the source, the flags
@@ -23,6 +23,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+
+from pallas_kernels.reference import Partial, QuantTier
 
 SOURCE = Path(__file__).parent / "cpu" / "ledger_attention.cc"
 TARGET = "qevict_ledger_attention"
@@ -94,20 +96,13 @@ def unavailable_reason() -> str | None:
 
 def ledger_attention_cpu(
     q: jax.Array,
-    kc: jax.Array,
-    ks: jax.Array,
-    kz: jax.Array,
-    vc: jax.Array,
-    vs: jax.Array,
-    vz: jax.Array,
-    slot_start: jax.Array,
-    slot_valid: jax.Array,
+    tier: QuantTier,
     inv_freq: jax.Array,
     *,
     window: int,
     bits: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``reference.ledger_attention_reference`` on the CPU from the codes (same arguments, same results).
+) -> Partial:
+    """``reference.ledger_partial`` on the CPU from the codes (same arguments, same results).
 
     The RoPE angles are formed as the reference forms them (float32 ``position * inv_freq`` of each slot
     start and of each offset, combined by angle addition); the kernel evaluates their sines and cosines
@@ -116,6 +111,8 @@ def ledger_attention_cpu(
     if not available():
         raise RuntimeError(f"the CPU ledger kernel is unavailable: {unavailable_reason()}")
     b, hkv, g, d = q.shape
+    codes, slot_start, slot_valid = tier
+    kc, ks, kz, vc, vs, vz = jax.tree.leaves(codes)
     nl = kc.shape[2]
     f32, f16 = jnp.float32, jnp.float16
     result = (
@@ -125,17 +122,19 @@ def ledger_attention_cpu(
         jax.ShapeDtypeStruct((b, hkv, g, nl), f32),
     )
     call = jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")
-    return call(
-        q.astype(f32),
-        kc,
-        ks.astype(f16),
-        kz.astype(f16),
-        vc,
-        vs.astype(f16),
-        vz.astype(f16),
-        slot_valid.astype(jnp.uint8),
-        slot_start.astype(jnp.int32),
-        inv_freq.astype(f32),
-        window=window,
-        bits=bits,
+    return Partial(
+        *call(
+            q.astype(f32),
+            kc,
+            ks.astype(f16),
+            kz.astype(f16),
+            vc,
+            vs.astype(f16),
+            vz.astype(f16),
+            slot_valid.astype(jnp.uint8),
+            slot_start.astype(jnp.int32),
+            inv_freq.astype(f32),
+            window=window,
+            bits=bits,
+        )
     )

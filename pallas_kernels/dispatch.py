@@ -13,7 +13,7 @@ import jax
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import cpu_ledger
-from pallas_kernels.reference import ledger_attention_reference
+from pallas_kernels.reference import ledger_partial
 
 
 def on_gpu() -> bool:
@@ -51,7 +51,7 @@ def use_cpu_kernel() -> bool:
 
 
 def ledger_attention(*args, window: int, bits: int):
-    """``reference.ledger_attention_reference`` by the fastest path here: the CPU kernel where
-    ``use_cpu_kernel()``, else the jnp reference (which XLA fuses on any backend)."""
-    fn = cpu_ledger.ledger_attention_cpu if use_cpu_kernel() else ledger_attention_reference
+    """``reference.ledger_partial`` by the fastest path here: the CPU kernel where ``use_cpu_kernel()``,
+    else the jnp reference (which XLA fuses on any backend)."""
+    fn = cpu_ledger.ledger_attention_cpu if use_cpu_kernel() else ledger_partial
     return fn(*args, window=window, bits=bits)

@@ -1,6 +1,6 @@
 """Decode attention over the packed INT2/INT4 ledger (the Q tier) as a Pallas kernel (DESIGN §7).
 
-``ledger_attention`` has the signature and outputs of ``pallas_kernels.reference.ledger_attention_reference``.
+``ledger_attention`` has the signature and outputs of ``pallas_kernels.reference.ledger_partial``.
 It reads the packed codes and the f16 grids once, dequantizes in registers, re-rotates the keys at their
 own positions in-kernel and never materializes a dequantized cache in device memory.
 
@@ -49,6 +49,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from models.attention import NEG_INF
 from pallas_kernels.dispatch import resolve_interpret, triton_params
+from pallas_kernels.quant import QuantizedWindows
+from pallas_kernels.reference import Partial, QuantTier, empty_partial
 
 TARGET_PROGRAMS = 512  # programs per launch the split heuristic aims at (a few waves on ~132 SMs)
 BLOCK_TOKENS = 32  # tokens per inner step by default (block slots = BLOCK_TOKENS // W)
@@ -106,7 +108,7 @@ def default_block_slots(window: int) -> int:
 
 def combine_splits(
     out_p: jax.Array, m_p: jax.Array, l_p: jax.Array, mass_p: jax.Array, cm_p: jax.Array, n: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> Partial:
     """Merge per-program partials into one partial over all slots.
 
     out_p [B, Hkv, NS, G, D], m_p, l_p [B, Hkv, NS, G]; mass_p [B, Hkv, NS, G, C*BS] per-slot sums relative
@@ -122,18 +124,7 @@ def combine_splits(
     step_w = jnp.exp(cm_p - m[:, :, None, :, None])[..., None]  # [B, Hkv, NS, G, C, 1]
     mass = mass_p.reshape(b, hkv, ns, g, chunks, per_program // chunks) * step_w
     mass = mass.transpose(0, 1, 3, 2, 4, 5).reshape(b, hkv, g, ns * per_program)[..., :n]
-    return out, m, den, mass
-
-
-def empty_partial(q: jax.Array, n: int = 0) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The partial of a tier without slots: out 0, m NEG_INF, l 0, slot_mass [B, Hkv, G, n] zeros."""
-    b, hkv, g, d = q.shape
-    return (
-        jnp.zeros((b, hkv, g, d), jnp.float32),
-        jnp.full((b, hkv, g), NEG_INF, jnp.float32),
-        jnp.zeros((b, hkv, g), jnp.float32),
-        jnp.zeros((b, hkv, g, n), jnp.float32),
-    )
+    return Partial(out, m, den, mass)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -364,7 +355,8 @@ def _ledger_kernel(
     write_running(state, out_ref, m_ref, l_ref)
 
 
-def _check_ledger_shapes(q, kc, ks, kz, vc, vs, vz, slot_start, slot_valid, inv_freq, window, bits) -> None:
+def _check_ledger_shapes(q, codes: QuantizedWindows, slot_start, slot_valid, inv_freq, window, bits) -> None:
+    kc, ks, kz, vc, vs, vz = jax.tree.leaves(codes)
     b, hkv, _, d = q.shape
     nl = kc.shape[2]
     per = 8 // bits
@@ -401,14 +393,7 @@ def _check_ledger_shapes(q, kc, ks, kz, vc, vs, vz, slot_start, slot_valid, inv_
 )
 def ledger_attention(
     q: jax.Array,
-    kc: jax.Array,
-    ks: jax.Array,
-    kz: jax.Array,
-    vc: jax.Array,
-    vs: jax.Array,
-    vz: jax.Array,
-    slot_start: jax.Array,
-    slot_valid: jax.Array,
+    tier: QuantTier,
     inv_freq: jax.Array,
     *,
     window: int,
@@ -419,23 +404,22 @@ def ledger_attention(
     num_warps: int = 8,
     num_stages: int = 2,
     poison: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> Partial:
     """Attention partial of one decode query per head over the packed ledger (Pallas kernel).
 
-    Same arguments and results as ``pallas_kernels.reference.ledger_attention_reference``:
-    q [B, Hkv, G, D]; kc [B, Hkv, NL, D, W*bits/8] uint8; ks, kz [B, Hkv, NL, D] f16;
-    vc [B, Hkv, NL, W, D*bits/8] uint8; vs, vz [B, Hkv, NL, W] f16; slot_start [B, NL] int32;
-    slot_valid [B, NL] bool; inv_freq [D/2] f32. Returns (out [B, Hkv, G, D] unnormalized, m [B, Hkv, G],
-    l [B, Hkv, G], slot_mass [B, Hkv, G, NL]), all f32.
+    Same arguments and results as ``pallas_kernels.reference.ledger_partial``: q [B, Hkv, G, D]; tier (codes
+    [B, Hkv, NL, ...], slot_start [B, NL] int32, slot_valid [B, NL] bool); inv_freq [D/2] f32. Returns a ``Partial`` (out [B, Hkv, G, D] unnormalized, m, l [B, Hkv, G], mass per slot
+    [B, Hkv, G, NL]), all f32.
 
     Options: ``interpret`` (default: not on a GPU), ``block_slots`` (slots per inner step, a power of two;
     default ``BLOCK_TOKENS // W``), ``num_splits`` (programs per (row, KV head); default aims at
     ``TARGET_PROGRAMS`` programs), Triton ``num_warps`` / ``num_stages``, ``poison`` (NaN-initialized
     outputs, for checks).
     """
-    _check_ledger_shapes(q, kc, ks, kz, vc, vs, vz, slot_start, slot_valid, inv_freq, window, bits)
+    codes, slot_start, slot_valid = tier
+    _check_ledger_shapes(q, codes, slot_start, slot_valid, inv_freq, window, bits)
     b, hkv, g, d = q.shape
-    nl = kc.shape[2]
+    nl = codes.k_codes.shape[2]
     if nl == 0:
         return empty_partial(q)
     plan = plan_splits(nl, b * hkv, block_slots or default_block_slots(window), num_splits)
@@ -454,7 +438,7 @@ def ledger_attention(
         pl.BlockSpec((None, ch), lambda i, j, k: (i, k)),
         pl.BlockSpec((d // 2,), lambda i, j, k: (0,)),
     ]
-    inputs = (q, kc, ks, kz, vc, vs, vz, start, valid, inv_freq.astype(jnp.float32))
+    inputs = (q, *jax.tree.leaves(codes), start, valid, inv_freq.astype(jnp.float32))
     kernel = functools.partial(_ledger_kernel, window=window, bits=bits, plan=plan)
     parts = split_call(
         kernel,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 SUPPORTED_BITS = (2, 4)
 
@@ -114,3 +115,46 @@ def quantize_values(v: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.
 def dequantize_values(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
     """codes [..., W, D * bits / 8], scale, zero [..., W] -> values [..., W, D] float32."""
     return dequantize_groups(codes, scale, zero, bits)
+
+
+@struct.dataclass
+class QuantizedWindows:
+    """N windows of W tokens in packed low-bit codes, one pytree (the ledger's data; leading axes ``...``).
+
+    Keys are pre-RoPE with one grid per channel over the window, values one grid per token over head_dim:
+    k_codes [..., N, D, W*bits/8] uint8, k_scale / k_zero [..., N, D] f16, v_codes [..., N, W, D*bits/8]
+    uint8, v_scale / v_zero [..., N, W] f16. ``take`` and ``put`` index the window axis N.
+    """
+
+    k_codes: jax.Array
+    k_scale: jax.Array
+    k_zero: jax.Array
+    v_codes: jax.Array
+    v_scale: jax.Array
+    v_zero: jax.Array
+
+    def dequantize(self, bits: int) -> tuple[jax.Array, jax.Array]:
+        """(pre-RoPE keys, values), each [..., N, W, D] float32."""
+        k = dequantize_keys(self.k_codes, self.k_scale, self.k_zero, bits)
+        return k, dequantize_values(self.v_codes, self.v_scale, self.v_zero, bits)
+
+    def take(self, idx: jax.Array) -> QuantizedWindows:
+        """The windows at ``idx`` [M] of the window axis."""
+        return jax.tree.map(lambda x, t: jnp.take(x, idx, axis=x.ndim - t - 1), self, _TRAILING)
+
+    def put(self, idx: jax.Array, other: QuantizedWindows) -> QuantizedWindows:
+        """``other``'s windows [..., M, ...] written at ``idx`` [M] of the window axis (out-of-range = dropped)."""
+
+        def put_one(x, y, t):
+            at = (slice(None),) * (x.ndim - t - 1) + (idx,)
+            return x.at[at].set(y.astype(x.dtype), mode="drop")
+
+        return jax.tree.map(put_one, self, other, _TRAILING)
+
+
+_TRAILING = QuantizedWindows(2, 1, 1, 2, 1, 1)  # axes after the window axis N, per field
+
+
+def quantize_windows(k: jax.Array, v: jax.Array, bits: int) -> QuantizedWindows:
+    """k (pre-RoPE), v [..., N, W, D] -> their ``QuantizedWindows``."""
+    return QuantizedWindows(*quantize_keys(k, bits), *quantize_values(v, bits))

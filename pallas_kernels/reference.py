@@ -11,15 +11,116 @@ Logits are ``s_j = (q . k_j) / sqrt(D)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from models.attention import NEG_INF
-from pallas_kernels.quant import dequantize_keys, dequantize_values
+from pallas_kernels.quant import QuantizedWindows
 
-Partial = tuple[jax.Array, jax.Array, jax.Array]  # (out [B, Hkv, G, D] f32, m [B, Hkv, G], l [B, Hkv, G])
+
+class Partial(NamedTuple):
+    """Flash-decoding partial of attention over one tier (all float32; leading query axes ``Q``, e.g.
+    [B, Hkv, G] or [B, Hkv, G, T]).
+
+    out: [Q..., D] unnormalized ``sum_j exp(s_j - m) v_j``; m: [Q...] max logit (NEG_INF without a valid
+    key); l: [Q...] ``sum_j exp(s_j - m)``; mass: [Q..., N] the same sums per key or per slot of W keys.
+    """
+
+    out: jax.Array
+    m: jax.Array
+    l: jax.Array  # noqa: E741
+    mass: jax.Array
+
+
+class DenseTier(NamedTuple):
+    """A full-precision tier of the cache as one argument: k, v [B, Hkv, N, W, D] (slots of W tokens) or
+    [B, Hkv, N, D] (single tokens), post-RoPE; valid [B, N] per slot, or [B, N, W] per token."""
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+
+
+class QuantTier(NamedTuple):
+    """The Q tier as one argument: codes, the ledger's ``QuantizedWindows`` [B, Hkv, NL, ...] (keys pre-RoPE);
+    slot_start [B, NL] int32 position of each slot's first token (keys are re-rotated there); slot_valid
+    [B, NL] bool, the slots that take part (active Q windows)."""
+
+    codes: QuantizedWindows
+    slot_start: jax.Array
+    slot_valid: jax.Array
+
+
+class TierAttention(NamedTuple):
+    """Result of one decode-attention pass over all tiers ``sink | F | Q | local`` (all float32).
+
+    out: [B, Hkv, G, D] normalized attention output.
+    sink_mass [B, S], fp_mass [B, NF], q_mass [B, NL], local_mass [B, NR]: attention probability mass per
+    sink token, F slot, Q (ledger) slot and local token, averaged over all H = Hkv * G query heads (each
+    head's probabilities sum to 1 over all tiers, so the masses of a row sum to 1 when any key is valid).
+    """
+
+    out: jax.Array
+    sink_mass: jax.Array
+    fp_mass: jax.Array
+    q_mass: jax.Array
+    local_mass: jax.Array
+
+
+LedgerAttention = Callable[..., Partial]
+"""``(q, tier: QuantTier, inv_freq, *, window, bits) -> Partial`` (``ledger_partial``, the CPU kernel or the
+Pallas kernel)."""
+
+
+def empty_partial(q: jax.Array, n: int = 0) -> Partial:
+    """The partial of a tier without keys for queries q [Q..., D]: out 0, m NEG_INF, l 0, mass [Q..., n]."""
+    lead, d = q.shape[:-1], q.shape[-1]
+    return Partial(
+        jnp.zeros((*lead, d), jnp.float32),
+        jnp.full(lead, NEG_INF, jnp.float32),
+        jnp.zeros(lead, jnp.float32),
+        jnp.zeros((*lead, n), jnp.float32),
+    )
+
+
+def dense_partial(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> Partial:
+    """Attention partial of queries q [B, Hkv, G, T, D] over full-precision keys and values.
+
+    k, v: [B, Hkv, N, D] (each KV head its own keys) or [B, N, D] (one set shared by every head; a head's
+    own keys are picked by ``mask``). mask: broadcastable to [B, Hkv, G, T, N]. mass: per key.
+    """
+    n, d = k.shape[-2], q.shape[-1]
+    if n == 0:
+        return empty_partial(q)
+    qs = q.astype(jnp.float32) * d**-0.5
+    keys = "bnd" if k.ndim == 3 else "bknd"
+    s = jnp.einsum(f"bkgtd,{keys}->bkgtn", qs, k.astype(jnp.float32))
+    s = jnp.where(mask, s, NEG_INF)
+    m = s.max(-1)
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    out = jnp.einsum(f"bkgtn,{keys}->bkgtd", p, v.astype(jnp.float32))
+    return Partial(out, m, p.sum(-1), p)
+
+
+def slot_partial(q: jax.Array, tier: DenseTier) -> Partial:
+    """Attention partial of one decode query per head q [B, Hkv, G, D] over a full-precision tier; mass per
+    slot [B, Hkv, G, N]."""
+    k, v, valid = tier
+    if k.ndim == 4:  # single tokens: slots of one token (a free reshape)
+        k, v = k[:, :, :, None], v[:, :, :, None]
+    b, hkv, n, w, d = k.shape
+    tok = valid if valid.ndim == 3 else jnp.broadcast_to(valid[..., None], (b, n, w))
+    part = dense_partial(
+        q[:, :, :, None],
+        k.reshape(b, hkv, n * w, d),
+        jnp.where(tok[:, None, :, :, None], v, 0).reshape(b, hkv, n * w, d),
+        tok.reshape(b, 1, 1, 1, n * w),
+    )
+    mass = part.mass[:, :, :, 0].reshape(b, hkv, q.shape[2], n, w).sum(-1)
+    return Partial(part.out[:, :, :, 0], part.m[..., 0], part.l[..., 0], mass)
 
 
 def window_rope_tables(starts: jax.Array, window: int, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -36,44 +137,24 @@ def window_rope_tables(starts: jax.Array, window: int, inv_freq: jax.Array) -> t
     return cs * co - ss * so, ss * co + cs * so
 
 
-def ledger_attention_reference(
-    q: jax.Array,
-    kc: jax.Array,
-    ks: jax.Array,
-    kz: jax.Array,
-    vc: jax.Array,
-    vs: jax.Array,
-    vz: jax.Array,
-    slot_start: jax.Array,
-    slot_valid: jax.Array,
-    inv_freq: jax.Array,
-    *,
-    window: int,
-    bits: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def ledger_partial(q: jax.Array, tier: QuantTier, inv_freq: jax.Array, *, window: int, bits: int) -> Partial:
     """Attention partial of one decode query per head over the packed ledger (Q tier), GQA-grouped.
 
     Args:
       q: [B, Hkv, G, D] post-RoPE query (unscaled; the 1/sqrt(D) scale is applied here), any float dtype.
-      kc: [B, Hkv, NL, D, W*bits/8] uint8 key codes, pre-RoPE, one grid per channel over the slot's window.
-      ks, kz: [B, Hkv, NL, D] float16 key scale and min.
-      vc: [B, Hkv, NL, W, D*bits/8] uint8 value codes, one grid per token over head_dim.
-      vs, vz: [B, Hkv, NL, W] float16 value scale and min.
-      slot_start: [B, NL] int32 absolute position of each slot's first token (token i is at slot_start + i);
-        keys are dequantized and re-rotated (RoPE) at these positions.
-      slot_valid: [B, NL] bool, slots that take part (active Q windows); invalid slots contribute nothing.
+      tier: codes (keys pre-RoPE, one grid per channel over the slot's window; values one grid per token
+        over head_dim), slot_start (token i of a slot is at slot_start + i; keys are dequantized and
+        re-rotated there) and slot_valid (invalid slots contribute nothing), see ``QuantTier``.
       inv_freq: [D/2] float32 RoPE inverse frequencies.
       window: W (static). bits: 2 or 4 (static). Packing as in ``pallas_kernels.quant``.
 
-    Returns (all float32):
-      out: [B, Hkv, G, D] unnormalized output ``sum exp(s - m) v_hat`` over valid slots' tokens.
-      m: [B, Hkv, G] max logit over valid tokens (NEG_INF when there is none).
-      l: [B, Hkv, G] ``sum exp(s - m)`` over valid tokens (0 when there is none).
-      slot_mass: [B, Hkv, G, NL] per-slot ``sum exp(s - m)`` (0 for invalid slots).
+    Returns a ``Partial`` over the valid slots' tokens, mass per slot [B, Hkv, G, NL] (0 for invalid slots).
     """
-    b, hkv, g, d = q.shape
-    k = dequantize_keys(kc, ks, kz, bits)  # [B, Hkv, NL, W, D]
-    v = dequantize_values(vc, vs, vz, bits)  # [B, Hkv, NL, W, D]
+    codes, slot_start, slot_valid = tier
+    if codes.k_codes.shape[2] == 0:
+        return empty_partial(q)
+    d = q.shape[-1]
+    k, v = codes.dequantize(bits)  # [B, Hkv, NL, W, D]
     cos, sin = window_rope_tables(slot_start, window, inv_freq)  # [B, NL, W, D/2]
     half = d // 2
     k1, k2 = k[..., :half], k[..., half:]
@@ -87,21 +168,59 @@ def ledger_attention_reference(
     p = jnp.where(mask, jnp.exp(s - m[..., None, None]), 0.0)
     slot_mass = p.sum(-1)
     out = jnp.einsum("bkgnt,bkntd->bkgd", p, v)
-    return out, m, slot_mass.sum(-1), slot_mass
+    return Partial(out, m, slot_mass.sum(-1), slot_mass)
 
 
 def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.Array]]:
     """Merge per-tier partials into the softmax attention output.
 
-    partials: (out [B, Hkv, G, D], m [B, Hkv, G], l [B, Hkv, G]) per tier.
-    Returns (out [B, Hkv, G, D] f32 normalized, weights: per tier [B, Hkv, G] = exp(m_t - M) / L), so that a
-    tier's normalized attention probabilities are its raw ``exp(s - m_t)`` sums times its weight.
+    Returns (out [Q..., D] f32 normalized, weights: per tier [Q...] = exp(m_t - M) / L), so that a tier's
+    normalized attention probabilities are its ``mass`` times its weight.
     """
-    big_m = partials[0][1]
-    for _, m, _ in partials[1:]:
-        big_m = jnp.maximum(big_m, m)
-    scales = [jnp.exp(m - big_m) for _, m, _ in partials]
-    total_l = sum(sc * part[2] for sc, part in zip(scales, partials, strict=True))
+    big_m = partials[0].m
+    for p in partials[1:]:
+        big_m = jnp.maximum(big_m, p.m)
+    scales = [jnp.exp(p.m - big_m) for p in partials]
+    total_l = sum(sc * p.l for sc, p in zip(scales, partials, strict=True))
     inv = jnp.where(total_l > 0, 1.0 / jnp.where(total_l > 0, total_l, 1.0), 0.0)
-    out = sum(sc[..., None] * o for sc, (o, _, _) in zip(scales, partials, strict=True)) * inv[..., None]
+    out = sum(sc[..., None] * p.out for sc, p in zip(scales, partials, strict=True)) * inv[..., None]
     return out, [sc * inv for sc in scales]
+
+
+def merge_tiers(tiers: Sequence[Partial]) -> TierAttention:
+    """Combine the (sink, F, Q, local) partials of one decode query per head into the normalized output and
+    the head-mean masses."""
+    live = [i for i, t in enumerate(tiers) if t.mass.shape[-1] > 0]
+    out, weights = combine_partials([tiers[i] for i in live])
+    masses = [jnp.zeros(t.mass.shape[:1] + t.mass.shape[3:], jnp.float32) for t in tiers]
+    for i, wt in zip(live, weights, strict=True):
+        masses[i] = jnp.mean(tiers[i].mass * wt[..., None], axis=(1, 2))
+    return TierAttention(out, *masses)
+
+
+def tier_attention_reference(
+    q: jax.Array,
+    sink: DenseTier,
+    fp: DenseTier,
+    ledger: QuantTier,
+    local: DenseTier,
+    inv_freq: jax.Array,
+    *,
+    window: int,
+    bits: int,
+    ledger_attention: LedgerAttention = ledger_partial,
+) -> TierAttention:
+    """Decode attention of one query per head q [B, Hkv, G, D] (post-RoPE, unscaled) over ``sink | F | Q |
+    local``, the pure-jnp reference of ``pallas_kernels.fused_attention``.
+
+    sink: [B, Hkv, S, D] tokens; fp: [B, Hkv, NF, W, D] slots (valid per slot, or per token with a sliding
+    window); ledger: the Q tier, whose partial ``ledger_attention`` computes (this reference by default, or a
+    kernel); local: [B, Hkv, NR, D] tokens.
+    """
+    tiers = [
+        slot_partial(q, sink),
+        slot_partial(q, fp),
+        ledger_attention(q, ledger, inv_freq, window=window, bits=bits),
+        slot_partial(q, local),
+    ]
+    return merge_tiers(tiers)

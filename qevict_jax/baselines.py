@@ -1,7 +1,8 @@
 """Every eviction and quantization baseline as a small configuration or policy over the shared cache.
 
-One cache pytree (``cache.TieredCache``) and one budget definition serve every method; a baseline picks a
-*layout* of that cache (``CacheConfig.layout``) and, for the per-head token pool, a scoring *policy*:
+One budget definition and two cache engines serve every method; a baseline picks a *layout*
+(``CacheConfig.layout``: the window engine's ``TieredCache`` or the token pool's ``PoolCache``) and, for the
+per-head token pool, a scoring *policy*:
 
 - StreamingLLM: layout "local" (sinks + the largest recent region that fits the budget).
 - KIVI-2 / KIVI-4: layout "keep_all" (every 32-token window that leaves the 128-token full-precision residual
@@ -40,7 +41,7 @@ from qevict_jax.budget import (
     solve_local_capacities,
     solve_pool_capacities,
 )
-from qevict_jax.cache import SizedByCapacities, TieredCache
+from qevict_jax.cache import PoolCache, SizedByCapacities
 from qevict_jax.config import CacheConfig, Capacities, num_windows
 from qevict_jax.pool import pool_decode_layer, pool_prefill_layer, route_pool_row
 from qevict_jax.qevict import QEvict
@@ -134,13 +135,13 @@ class PoolMethod(SizedByCapacities):
         """Per-layer pool fill; () = every layer fills ``per_head`` slots per head."""
         return ()
 
-    def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+    def route(self, cache: PoolCache, inv_freq: jax.Array) -> PoolCache:
         """A decode-time eviction event of every layer and row now (identity for compress-once pools)."""
         if not cache.caps.decode_routing:
             return cache
         return jax.vmap(jax.vmap(lambda row: route_pool_row(row, self)))(cache)
 
-    def reserve(self, cache: TieredCache, total_tokens: int) -> TieredCache:
+    def reserve(self, cache: PoolCache, total_tokens: int) -> PoolCache:
         """Decode-time pools hold any length; a compress-once pool keeps every later token in its ring and
         refuses a sequence that would overflow it."""
         caps = cache.caps
@@ -155,11 +156,11 @@ class PoolMethod(SizedByCapacities):
             )
         return cache
 
-    def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
+    def prefill_attend(self, q, k, v, layer_cache: PoolCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
         return pool_prefill_layer(q, k, v, layer_cache, ctx, self, self.cache.prefill_chunk)
 
-    def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
+    def decode_attend(self, q, k, v, layer_cache: PoolCache, ctx: LayerContext):
         """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
         return pool_decode_layer(q, k, v, layer_cache, ctx, self)
 

@@ -202,6 +202,7 @@ def solve_pool_capacities(
             pool_per_head=pph,
             pool_scores=not cache_cfg.static,
             decode_routing=not cache_cfg.static,
+            pool=True,
         )
 
     fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)

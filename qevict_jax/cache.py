@@ -1,14 +1,15 @@
-"""The cache pytree of every budgeted method: ``TieredCache``, its constructor and abstract shapes, and the
-sink and ring helpers both engines share (DESIGN §4).
+"""The cache pytrees of the budgeted methods, their constructor and abstract shapes, and the sink and ring
+helpers both engines share (DESIGN §4).
 
-Per layer and batch row the cache holds sink tokens, a local ring (recent region + the window being
-filled + the windows that left the recent region since the last routing event), and the history in the
-tiers of one of two engines: the window engine (``qevict_jax.window``: F windows in full precision,
-post-RoPE, and the ledger of INT2/INT4 windows, keys pre-RoPE; active = Q tier, dormant = codes kept for a
-promoted window) or the token pool of the per-head eviction baselines (``qevict_jax.pool``). Window w
-covers absolute positions ``[S + wW, S + (w+1)W)``; positions are never renumbered.
+Per layer and batch row a cache holds sink tokens, a local ring (recent region + the window being filled +
+the windows that left the recent region since the last routing event) and the counters (``SinkRingCache``),
+and the history in the tiers of one of two engines: ``TieredCache``, the window engine
+(``qevict_jax.window``: F windows in full precision, post-RoPE, and the ledger of INT2/INT4 windows, keys
+pre-RoPE; active = Q tier, dormant = codes kept for a promoted window), or ``PoolCache``, the token pool of
+the per-head eviction baselines (``qevict_jax.pool``). Window w covers absolute positions
+``[S + wW, S + (w+1)W)``; positions are never renumbered.
 
-Deviation from DESIGN §4: scores are kept per slot (``fp_score`` [B, NF], ``led_score`` [B, NL], ``loc_score``
+Deviation from DESIGN §4: scores are kept per slot (``fp_score`` [B, NF], ``ledger.score`` [B, NL], ``loc_score``
 [B, RING/W]) and move with their window, instead of one ``score [B, NWmax]`` array indexed by window id.
 Evicted windows never come back, so nothing is lost, and the cache size no longer grows with the maximum
 sequence length: at a fixed byte budget NF and NQ are the same for any length.
@@ -25,49 +26,74 @@ from flax import struct
 from models.attention import prompt_attention
 from models.config import ModelConfig
 from models.model import LayerContext
+from pallas_kernels.quant import QuantizedWindows
 from qevict_jax.config import Capacities
 
 
 @struct.dataclass
-class TieredCache:
-    """One layer's tiered cache (stacked caches carry a leading [L] axis on every array field).
+class Ledger:
+    """The persistent ledger of INT2/INT4 windows of one layer: NL entries, each free (win -1), active (in the
+    Q tier) or dormant (the codes of a window promoted to F, kept for its next demotion). Stacked caches
+    carry a leading [L] axis on every array.
 
-    S = sink, RING = ring slots, RW = RING / W, NF = F slots, NL = ledger slots, Wb = W*bits/8, Db = D*bits/8.
+    codes: ``QuantizedWindows`` [B, Hkv, NL, ...] (keys pre-RoPE, per-channel grid over the window; values
+    per-token grid over head_dim). win: [B, NL] int32 window id, -1 = free. active: [B, NL] bool.
+    score: [B, NL] f32 ranking score (meaningful for active entries).
     """
+
+    codes: QuantizedWindows
+    win: jax.Array
+    active: jax.Array
+    score: jax.Array
+
+    def slot_start(self, sink: int, window: int) -> jax.Array:
+        """[B, NL] absolute position of each entry's first token (window w starts at S + wW)."""
+        return sink + self.win * window
+
+
+@struct.dataclass
+class SinkRingCache:
+    """What every budgeted cache keeps of one layer: the sink tokens, the local ring and the counters (stacked
+    caches carry a leading [L] axis on every array field). S = sink, RING = ring slots."""
 
     sink_k: jax.Array  # [B, Hkv, S, D] model dtype, post-RoPE, slot = position
     sink_v: jax.Array  # [B, Hkv, S, D]
     local_k: jax.Array  # [B, Hkv, RING, D] post-RoPE; position p >= S lives in slot (p - S) % RING
     local_v: jax.Array  # [B, Hkv, RING, D]
+    length: jax.Array  # [B] int32 tokens seen
+    next_win: jax.Array  # [B] int32 first window id still in the ring (lower ids have been routed)
+    steps: jax.Array  # [B] int32 decode steps since prefill
+    routing_events: jax.Array  # [B] int32 decode routing events
+    evictions: jax.Array  # [B] int32 windows (tokens, in the pool) evicted, prefill included
+    caps: Capacities = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class TieredCache(SinkRingCache):
+    """The window engine's cache (``qevict_jax.window``): sinks, ring, F windows and the ledger of one layer.
+    RW = RING / W, NF = F slots, NL = ledger slots."""
+
     loc_score: jax.Array  # [B, RW] f32 score of the window in each ring window slot (window w -> w % RW)
     fp_k: jax.Array  # [B, Hkv, NF, W, D] F tier, post-RoPE
     fp_v: jax.Array  # [B, Hkv, NF, W, D]
     fp_win: jax.Array  # [B, NF] int32 window id in each F slot, -1 = empty
     fp_score: jax.Array  # [B, NF] f32
-    led_kc: jax.Array  # [B, Hkv, NL, D, Wb] uint8 key codes, pre-RoPE, per-channel grid over the window
-    led_ks: jax.Array  # [B, Hkv, NL, D] f16 key scale
-    led_kz: jax.Array  # [B, Hkv, NL, D] f16 key min
-    led_vc: jax.Array  # [B, Hkv, NL, W, Db] uint8 value codes, per-token grid over head_dim
-    led_vs: jax.Array  # [B, Hkv, NL, W] f16 value scale
-    led_vz: jax.Array  # [B, Hkv, NL, W] f16 value min
-    led_win: jax.Array  # [B, NL] int32 window id, -1 = free
-    led_active: jax.Array  # [B, NL] bool: True = in Q, False (with win >= 0) = dormant copy of an F window
-    led_score: jax.Array  # [B, NL] f32 (meaningful for active entries)
-    length: jax.Array  # [B] int32 tokens seen
-    next_win: jax.Array  # [B] int32 first window id still in the ring (lower ids have been routed)
-    steps: jax.Array  # [B] int32 decode steps since prefill
-    routing_events: jax.Array  # [B] int32 decode routing events
+    ledger: Ledger  # the Q tier and the dormant codes of promoted windows
     promotions: jax.Array  # [B] int32 Q -> F transitions
     demotions: jax.Array  # [B] int32 F -> Q transitions
-    evictions: jax.Array  # [B] int32 windows evicted (prefill included)
-    # head pool (pool layout, NP = Hkv * pool_per_head token slots; zero-sized in the other layouts)
+
+
+@struct.dataclass
+class PoolCache(SinkRingCache):
+    """The token-pool engine's cache (``qevict_jax.pool``): sinks, ring and a pool of NP = Hkv * pool_per_head
+    token slots of one layer, each owned by one KV head."""
+
     hp_k: jax.Array  # [B, NP, D] post-RoPE key of one KV head at one position
     hp_v: jax.Array  # [B, NP, D]
     hp_pos: jax.Array  # [B, NP] int32 absolute position, -1 = empty
     hp_head: jax.Array  # [B, NP] int8 owning KV head
     hp_score: jax.Array  # [B, NPS] f32 running score (NPS = NP with decode-time eviction, else 0)
     ring_hscore: jax.Array  # [B, Hkv, RS] f32 per-head score of each ring slot (RS = RING or 0, as NPS)
-    caps: Capacities = struct.field(pytree_node=False)
 
 
 def init_cache(
@@ -76,8 +102,9 @@ def init_cache(
     batch: int,
     dtype: Any,
     lengths: jax.Array | None = None,
-) -> TieredCache:
-    """An empty stacked cache: every array field has a leading [L] axis. lengths: [B] tokens seen."""
+) -> TieredCache | PoolCache:
+    """An empty stacked cache (a ``PoolCache`` when ``caps.pool``, else a ``TieredCache``): every array field
+    has a leading [L] axis. lengths: [B] tokens seen."""
     L, hkv, d = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
     b, w, nf, nl = batch, caps.window, caps.nf, caps.nl
     per = 8 // caps.bits
@@ -88,43 +115,55 @@ def init_cache(
     if lengths is None:
         lengths = jnp.zeros((b,), jnp.int32)
     counter = z((), jnp.int32)
-    npool = hkv * caps.pool_per_head
-    nps = npool if caps.pool_scores else 0
-    return TieredCache(
+    common = dict(
         sink_k=z((hkv, caps.sink, d), dtype),
         sink_v=z((hkv, caps.sink, d), dtype),
         local_k=z((hkv, caps.ring, d), dtype),
         local_v=z((hkv, caps.ring, d), dtype),
+        length=jnp.broadcast_to(lengths.astype(jnp.int32), (L, b)),
+        next_win=counter,
+        steps=counter,
+        routing_events=counter,
+        evictions=counter,
+        caps=caps,
+    )
+    if caps.pool:
+        npool = hkv * caps.pool_per_head
+        nps = npool if caps.pool_scores else 0
+        return PoolCache(
+            **common,
+            hp_k=z((npool, d), dtype),
+            hp_v=z((npool, d), dtype),
+            hp_pos=jnp.full((L, b, npool), -1, jnp.int32),
+            hp_head=jnp.broadcast_to(
+                (jnp.arange(npool, dtype=jnp.int32) // max(1, caps.pool_per_head)).astype(jnp.int8),
+                (L, b, npool),
+            ),
+            hp_score=z((nps,), jnp.float32),
+            ring_hscore=z((hkv, caps.ring if caps.pool_scores else 0), jnp.float32),
+        )
+    return TieredCache(
+        **common,
         loc_score=z((caps.ring_windows,), jnp.float32),
         fp_k=z((hkv, nf, w, d), dtype),
         fp_v=z((hkv, nf, w, d), dtype),
         fp_win=jnp.full((L, b, nf), -1, jnp.int32),
         fp_score=z((nf,), jnp.float32),
-        led_kc=z((hkv, nl, d, w // per), jnp.uint8),
-        led_ks=z((hkv, nl, d), jnp.float16),
-        led_kz=z((hkv, nl, d), jnp.float16),
-        led_vc=z((hkv, nl, w, d // per), jnp.uint8),
-        led_vs=z((hkv, nl, w), jnp.float16),
-        led_vz=z((hkv, nl, w), jnp.float16),
-        led_win=jnp.full((L, b, nl), -1, jnp.int32),
-        led_active=z((nl,), bool),
-        led_score=z((nl,), jnp.float32),
-        length=jnp.broadcast_to(lengths.astype(jnp.int32), (L, b)),
-        next_win=counter,
-        steps=counter,
-        routing_events=counter,
+        ledger=Ledger(
+            codes=QuantizedWindows(
+                k_codes=z((hkv, nl, d, w // per), jnp.uint8),
+                k_scale=z((hkv, nl, d), jnp.float16),
+                k_zero=z((hkv, nl, d), jnp.float16),
+                v_codes=z((hkv, nl, w, d // per), jnp.uint8),
+                v_scale=z((hkv, nl, w), jnp.float16),
+                v_zero=z((hkv, nl, w), jnp.float16),
+            ),
+            win=jnp.full((L, b, nl), -1, jnp.int32),
+            active=z((nl,), bool),
+            score=z((nl,), jnp.float32),
+        ),
         promotions=counter,
         demotions=counter,
-        evictions=counter,
-        hp_k=z((npool, d), dtype),
-        hp_v=z((npool, d), dtype),
-        hp_pos=jnp.full((L, b, npool), -1, jnp.int32),
-        hp_head=jnp.broadcast_to(
-            (jnp.arange(npool, dtype=jnp.int32) // max(1, caps.pool_per_head)).astype(jnp.int8), (L, b, npool)
-        ),
-        hp_score=z((nps,), jnp.float32),
-        ring_hscore=z((hkv, caps.ring if caps.pool_scores else 0), jnp.float32),
-        caps=caps,
     )
 
 
@@ -147,7 +186,7 @@ class SizedByCapacities:
         max_new_tokens: int,
         dtype: Any,
         budget_tokens: int,
-    ) -> TieredCache:
+    ) -> TieredCache | PoolCache:
         """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
         b = prompt_lengths.shape[0]
         caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
@@ -168,7 +207,9 @@ class SizedByCapacities:
         return jax.lax.cond(self.routing_due(cache), lambda c: self.route(c, inv_freq), lambda c: c, cache)
 
 
-def abstract_cache(caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any) -> TieredCache:
+def abstract_cache(
+    caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any
+) -> TieredCache | PoolCache:
     """Shapes and dtypes of the stacked cache, without allocating (``jax.eval_shape``)."""
     return jax.eval_shape(lambda: init_cache(caps, model_cfg, batch, dtype))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from models.convert import convert
 from models.tokenizer import token_index
-from qevict_jax.cache import TieredCache
+from qevict_jax.cache import SinkRingCache
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
 from qevict_jax.generate import SamplerConfig, generate
 from qevict_jax.methods import available_methods, cache_stats, make_method, options_for, parse_set_options
@@ -90,9 +90,8 @@ def _budget(method) -> float:
 
 
 def _routing_stats(cache) -> dict:
-    """Routing counters of a tiered cache; zeros for caches that never route (Full-KV)."""
-
-    if isinstance(cache, TieredCache):
+    """Routing counters of a budgeted cache; zeros for caches that never route (Full-KV)."""
+    if isinstance(cache, SinkRingCache):
         return cache_stats(cache)
     zeros = [0] * int(cache.length.shape[-1])
     return {"routing_events": zeros, "promotions": zeros, "demotions": zeros, "evictions": zeros}

@@ -131,6 +131,7 @@ class Capacities:
     decode_routing: route at decode time (False: compressed once after prefill).
     layer_caps: per-layer number of pool slots per head actually filled at prefill (PyramidKV); empty =
         ``pool_per_head`` for every layer.
+    pool: the cache is the token pool's (``cache.PoolCache``), else the window engine's (``TieredCache``).
     """
 
     sink: int
@@ -147,6 +148,7 @@ class Capacities:
     pool_scores: bool = False
     decode_routing: bool = True
     layer_caps: tuple[int, ...] = ()
+    pool: bool = False
 
     @property
     def ring_windows(self) -> int:

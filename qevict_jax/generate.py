@@ -6,7 +6,6 @@ and returned. One compilation per (bucket, batch size, method, sampler config).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -19,109 +18,9 @@ from flax import nnx, struct
 
 from models.attention import prompt_attention
 from models.model import Transformer
+from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length, chunk_capacity
 from qevict_jax.kv import FullKV, KVMethod, cache_nbytes, full_kv_bytes
-
-# How many times each jitted function has been traced (one trace = one compilation); read by tests.
-TRACE_COUNTS: collections.Counter[str] = collections.Counter()
-
-
-class ExecutableCache:
-    """Ahead-of-time compiled executables, keyed by function, static arguments and dynamic shapes/dtypes.
-
-    Compiling ahead of time keeps compilation out of the measured time to first token. The cache keeps the
-    ``capacity`` most recently used executables: each XLA CPU executable holds its machine code in memory
-    mappings of its own, and an unbounded cache in a long process (a sweep over many shapes, the test suite)
-    runs into the kernel's limit on mappings (``vm.max_map_count``), where the compiler crashes.
-    """
-
-    def __init__(self, capacity: int = 48) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._executables: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._executables)
-
-    def clear(self) -> None:
-        self._executables.clear()
-
-    def run(self, jitted, static: dict[int, Any], *args) -> tuple[Any, float]:
-        """Call ``jitted(*args)`` through a cached executable; returns (outputs, seconds spent compiling)."""
-        dynamic = [a for i, a in enumerate(args) if i not in static]
-        leaves, treedef = jax.tree.flatten(dynamic)
-        key = (jitted, tuple(sorted(static.items())), treedef, tuple((x.shape, x.dtype) for x in leaves))
-        compile_s = 0.0
-        if key in self._executables:
-            self._executables.move_to_end(key)
-        else:
-            t0 = time.perf_counter()
-            self._executables[key] = jitted.lower(*args).compile()
-            compile_s = time.perf_counter() - t0
-            while len(self._executables) > self.capacity:
-                self._executables.popitem(last=False)
-        return self._executables[key](*dynamic), compile_s
-
-
-EXECUTABLES = ExecutableCache()
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerConfig:
-    """Static sampling configuration (hashable: a static jit argument).
-
-    temperature 0 means greedy; top_p < 1 keeps the smallest set of tokens whose mass reaches top_p.
-    """
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    eos_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-def bucket_length(n: int) -> int:
-    """Round a prompt length up to its bucket: multiples of max(64, 2^floor(log2 n) / 16).
-
-    The bucket granularity is at most 1/16 of the length, so a whole bucket shares one compilation and
-    padding wastes little prefill compute.
-    """
-    if n < 1:
-        raise ValueError("empty prompt")
-    step = max(64, (1 << (n.bit_length() - 1)) // 16)
-    return -(-n // step) * step
-
-
-def bucket_floor(n: int) -> int:
-    """Smallest prompt length that falls in the same bucket as ``n``."""
-    top = bucket_length(n)
-    lo = n
-    while lo > 1 and bucket_length(lo - 1) == top:
-        lo -= 1
-    return lo
-
-
-def sample(logits: jax.Array, rng: jax.Array, sampler: SamplerConfig) -> jax.Array:
-    """Next tokens [B] int32 from logits [B, V] (greedy, temperature, top-p)."""
-    if sampler.temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / sampler.temperature
-    if sampler.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        cum = jnp.cumsum(probs, axis=-1)
-        # keep a token while the mass before it is < top_p (the top token is always kept)
-        keep = (cum - probs) < sampler.top_p
-        cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
-    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+from qevict_jax.sampling import SamplerConfig, sample
 
 
 def _prefill_logits(
@@ -149,7 +48,6 @@ def _prefill(
     kv_dtype,
 ):
     """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache with room for ``capacity_new``)."""
-    TRACE_COUNTS["prefill"] += 1
     model: Transformer = nnx.merge(graphdef, state)
     logits, cache = _prefill_logits(model, tokens, lengths, method, capacity_new, budget_tokens, kv_dtype)
     return sample(logits, rng, sampler), cache
@@ -173,7 +71,6 @@ def _append(graphdef, state, cache, tokens, start, count, rng, method: KVMethod,
     routing event, so windows the new tokens need are promoted before decoding.
     Returns (next token [B] sampled from the logits at each row's last token, cache).
     """
-    TRACE_COUNTS["append"] += 1
     model: Transformer = nnx.merge(graphdef, state)
     b, q = tokens.shape
     inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
@@ -200,7 +97,6 @@ def _teacher_forced(
 
     Returns (log-probabilities [B, T, V] of each target position given everything before it, cache).
     """
-    TRACE_COUNTS["teacher_forced"] += 1
     model: Transformer = nnx.merge(graphdef, state)
     t = targets.shape[1]
     inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
@@ -237,7 +133,6 @@ def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampl
     """Decode loop: first [B] token (at positions ``lengths``) -> (tokens [B, G], num_tokens [B], steps
     taken [], cache). After it, each row's cache holds ``lengths + steps`` tokens and ``tokens[:, steps]``
     is the last sampled token, not yet in the cache."""
-    TRACE_COUNTS["decode"] += 1
     model: Transformer = nnx.merge(graphdef, state)
     b = first.shape[0]
     g = sampler.max_new_tokens
@@ -355,11 +250,6 @@ def _split_questions(
     return [list(p[:qs]) for p, qs in zip(prompts, question_starts, strict=True)], [
         list(p[qs:]) for p, qs in zip(prompts, question_starts, strict=True)
     ]
-
-
-def chunk_capacity(n: int) -> int:
-    """Padded length of an appended chunk of ``n`` tokens (a multiple of 16: one compilation per bucket)."""
-    return -(-n // 16) * 16
 
 
 @dataclasses.dataclass(frozen=True)

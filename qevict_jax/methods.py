@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from qevict_jax.baselines import BASELINES
-from qevict_jax.cache import TieredCache
+from qevict_jax.cache import SinkRingCache, TieredCache
 from qevict_jax.config import CacheConfig
 from qevict_jax.kv import FullKV, KVMethod
 from qevict_jax.qevict import VARIANTS, QEvict
@@ -74,34 +74,39 @@ def method_option(method: KVMethod, name: str) -> Any:
     return getattr(method, name) if name in own else getattr(method.cache, name)
 
 
-def cache_stats(cache: TieredCache) -> dict[str, Any]:
+def cache_stats(cache: SinkRingCache) -> dict[str, Any]:
     """Routing counters and tier fill of a stacked cache (leading [L] axis).
 
     routing_events: per row, decode routing events (every layer routes together: layer 0's count).
-    promotions, demotions, evictions: per row, summed over layers (windows; prefill evictions included).
-    f_fill, q_fill: occupied F slots / NF and active Q windows / NQ, mean over layers and rows (nan when
-    the tier has no slot). dormant: dormant ledger entries, summed over layers and rows.
-    local_tokens: per row, tokens in the ring not yet routed (layer 0).
+    promotions, demotions, evictions: per row, summed over layers (windows, or pool tokens; prefill
+    evictions included; a pool never promotes or demotes). f_fill, q_fill: occupied F slots / NF and active
+    Q windows / NQ, mean over layers and rows (nan when the tier has no slot). dormant: dormant ledger
+    entries, summed over layers and rows. local_tokens: per row, tokens in the ring not yet routed (layer 0).
     """
     caps = cache.caps
-    fp_win = np.asarray(cache.fp_win)
-    led_win = np.asarray(cache.led_win)
-    active = np.asarray(cache.led_active)
     per_row = lambda x: np.asarray(x).sum(axis=0).tolist()
     length = np.asarray(cache.length[0])
     routed_end = caps.sink + np.asarray(cache.next_win[0]) * caps.window
-    return {
+    stats = {
         "routing_events": np.asarray(cache.routing_events[0]).tolist(),
-        "promotions": per_row(cache.promotions),
-        "demotions": per_row(cache.demotions),
         "evictions": per_row(cache.evictions),
-        "f_fill": float((fp_win >= 0).mean()) if caps.nf else float("nan"),
-        "q_fill": float(active.sum(-1).mean() / caps.nq) if caps.nq else float("nan"),
-        "dormant": int(((led_win >= 0) & ~active).sum()),
         "local_tokens": np.maximum(0, length - np.maximum(routed_end, caps.sink)).tolist(),
         "nf": caps.nf,
         "nq": caps.nq,
         "nl": caps.nl,
+    }
+    if not isinstance(cache, TieredCache):
+        zeros = [0] * len(length)
+        return stats | {"promotions": zeros, "demotions": zeros, "dormant": 0}
+    fp_win = np.asarray(cache.fp_win)
+    led_win = np.asarray(cache.ledger.win)
+    active = np.asarray(cache.ledger.active)
+    return stats | {
+        "promotions": per_row(cache.promotions),
+        "demotions": per_row(cache.demotions),
+        "f_fill": float((fp_win >= 0).mean()) if caps.nf else float("nan"),
+        "q_fill": float(active.sum(-1).mean() / caps.nq) if caps.nq else float("nan"),
+        "dormant": int(((led_win >= 0) & ~active).sum()),
     }
 
 

@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import NEG_INF
 from models.model import LayerContext
-from pallas_kernels.reference import combine_partials
+from pallas_kernels.reference import combine_partials, dense_partial
 from qevict_jax.cache import (
-    TieredCache,
+    PoolCache,
     fill_sink_and_ring,
     ring_positions,
     ring_valid,
@@ -24,34 +23,6 @@ from qevict_jax.cache import (
     write_token,
 )
 from qevict_jax.routing import _rank, assign_slots, ring_candidates
-
-
-def pool_partial(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Attention partial of queries q [B, Hkv, G, T, D] over keys k, v [B, Hkv, N, D] (per-head keys) or
-    [B, N, D] (pool keys shared by every head, owner masked) with mask [B, Hkv, G, T, N] (broadcastable).
-
-    Returns (out [B, Hkv, G, T, D], m, l [B, Hkv, G, T], exp sums [B, Hkv, G, T, N]), all f32.
-    """
-    b, hkv, g, t, d = q.shape
-    n = k.shape[-2]
-    if n == 0:
-        zeros = jnp.zeros((b, hkv, g, t), jnp.float32)
-        return jnp.zeros((b, hkv, g, t, d)), zeros + NEG_INF, zeros, jnp.zeros((b, hkv, g, t, 0))
-    qs = q.astype(jnp.float32) * d**-0.5
-    if k.ndim == 3:
-        s = jnp.einsum("bkgtd,bnd->bkgtn", qs, k.astype(jnp.float32))
-    else:
-        s = jnp.einsum("bkgtd,bknd->bkgtn", qs, k.astype(jnp.float32))
-    s = jnp.where(mask, s, NEG_INF)
-    m = s.max(-1)
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    if v.ndim == 3:
-        out = jnp.einsum("bkgtn,bnd->bkgtd", p, v.astype(jnp.float32))
-    else:
-        out = jnp.einsum("bkgtn,bknd->bkgtd", p, v.astype(jnp.float32))
-    return out, m, p.sum(-1), p
 
 
 class PoolAttention(struct.PyTreeNode):
@@ -63,7 +34,7 @@ class PoolAttention(struct.PyTreeNode):
     ring: jax.Array
 
 
-def pool_attention(q: jax.Array, q_pos: jax.Array, cache: TieredCache, sliding_window) -> PoolAttention:
+def pool_attention(q: jax.Array, q_pos: jax.Array, cache: PoolCache, sliding_window) -> PoolAttention:
     """Queries q [B, T, H, D] (post-RoPE) at q_pos [B, T] (-1 = padding) over sinks, the head pool and the
     ring of one layer, causal by absolute position. The cache must already hold the current tokens."""
     caps = cache.caps
@@ -80,17 +51,17 @@ def pool_attention(q: jax.Array, q_pos: jax.Array, cache: TieredCache, sliding_w
 
     sink_pos = jnp.broadcast_to(jnp.arange(caps.sink, dtype=jnp.int32), (b, caps.sink))
     sink_pos = jnp.where(sink_pos < cache.length[:, None], sink_pos, -1)
-    p_sink = pool_partial(qg, cache.sink_k, cache.sink_v, causal(sink_pos))
+    p_sink = dense_partial(qg, cache.sink_k, cache.sink_v, causal(sink_pos))
     owner = (
         cache.hp_head.astype(jnp.int32)[:, None, None, None, :] == jnp.arange(hkv)[None, :, None, None, None]
     )
-    p_pool = pool_partial(qg, cache.hp_k, cache.hp_v, causal(cache.hp_pos) & owner)
+    p_pool = dense_partial(qg, cache.hp_k, cache.hp_v, causal(cache.hp_pos) & owner)
     ring_pos = ring_positions(cache.length, caps)
     ring_pos = jnp.where(ring_valid(cache.length, cache.next_win, caps), ring_pos, -1)
-    p_ring = pool_partial(qg, cache.local_k, cache.local_v, causal(ring_pos))
+    p_ring = dense_partial(qg, cache.local_k, cache.local_v, causal(ring_pos))
     parts = (p_sink, p_pool, p_ring)
-    out, weights = combine_partials([p[:3] for p in parts])
-    probs = [p[3] * wt[..., None] for p, wt in zip(parts, weights, strict=True)]
+    out, weights = combine_partials(parts)
+    probs = [p.mass * wt[..., None] for p, wt in zip(parts, weights, strict=True)]
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
     return PoolAttention(out=out, pool=probs[1], ring=probs[2])
 
@@ -148,8 +119,8 @@ def select_pool(
 
 
 def pool_prefill_layer(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, policy: Any, chunk: int
-) -> tuple[jax.Array, TieredCache]:
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: PoolCache, ctx: LayerContext, policy: Any, chunk: int
+) -> tuple[jax.Array, PoolCache]:
     """Prompt pass of one layer in the pool layout: q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows
     right-padded. Returns (out [B, T, H, D], cache).
 
@@ -198,8 +169,8 @@ def pool_prefill_layer(
 
 
 def pool_decode_layer(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, policy: Any
-) -> tuple[jax.Array, TieredCache]:
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: PoolCache, ctx: LayerContext, policy: Any
+) -> tuple[jax.Array, PoolCache]:
     """One decode step in the pool layout: q [B, 1, H, D], k, v [B, 1, Hkv, D] -> (out [B, 1, H, D], cache).
 
     The token goes to the sink or the ring; attention reads sinks, pool and ring. With decode-time eviction

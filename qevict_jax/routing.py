@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import apply_rope
-from pallas_kernels.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from pallas_kernels.quant import QuantizedWindows
+from pallas_kernels.quant import quantize_windows as quantize_pre_rope
 
 
 class RoutingPlan(NamedTuple):
@@ -214,32 +215,19 @@ def rotate_windows(x: jax.Array, starts: jax.Array, inv_freq: jax.Array, sign: i
 
 def quantize_windows(
     k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array, bits: int
-) -> tuple[jax.Array, ...]:
-    """Ledger entries of windows k, v [Hkv, N, W, D] (keys post-RoPE, first positions ``starts`` [N]).
-
-    Returns (kc [Hkv, N, D, W*bits/8], ks, kz [Hkv, N, D], vc [Hkv, N, W, D*bits/8], vs, vz [Hkv, N, W]).
+) -> QuantizedWindows:
+    """Ledger codes of windows k, v [Hkv, N, W, D] (keys post-RoPE, first positions ``starts`` [N]): the keys
+    are un-rotated, then quantized per channel; the values per token. Returns ``QuantizedWindows`` [Hkv, N, ...].
     """
-    k_pre = rotate_windows(k, starts, inv_freq, -1)
-    return (*quantize_keys(k_pre, bits), *quantize_values(v, bits))
+    return quantize_pre_rope(rotate_windows(k, starts, inv_freq, -1), v, bits)
 
 
 def dequantize_windows(
-    kc: jax.Array,
-    ks: jax.Array,
-    kz: jax.Array,
-    vc: jax.Array,
-    vs: jax.Array,
-    vz: jax.Array,
-    starts: jax.Array,
-    inv_freq: jax.Array,
-    bits: int,
+    codes: QuantizedWindows, starts: jax.Array, inv_freq: jax.Array, bits: int
 ) -> tuple[jax.Array, jax.Array]:
     """Inverse of ``quantize_windows``: (post-RoPE keys, values), each [Hkv, N, W, D] float32."""
-    k = rotate_windows(dequantize_keys(kc, ks, kz, bits), starts, inv_freq, +1)
-    return k, dequantize_values(vc, vs, vz, bits)
-
-
-LEDGER_FIELDS = ("led_kc", "led_ks", "led_kz", "led_vc", "led_vs", "led_vz")
+    k, v = codes.dequantize(bits)
+    return rotate_windows(k, starts, inv_freq, +1), v
 
 
 def apply_plan(
@@ -260,9 +248,9 @@ def apply_plan(
     """
     caps = row.caps
     s, w, bits = caps.sink, caps.window, caps.bits
-    nf, nl = row.fp_win.shape[0], row.led_win.shape[0]
+    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
     fp_k, fp_v = row.fp_k, row.fp_v
-    ledger = {name: getattr(row, name) for name in LEDGER_FIELDS}
+    codes = row.ledger.codes
     m = nf if bound is None else min(bound, nf)
     if nl and m:
         # sources are computed from the old state before anything is overwritten
@@ -278,32 +266,29 @@ def apply_plan(
         )
         dest = compact(src < nl, m)  # [m] F slots receiving a promoted window (NF = none)
         lsel = jnp.minimum(src[jnp.minimum(dest, nf - 1)], nl - 1)
-        lk, lv = dequantize_windows(
-            *(ledger[n][:, lsel] for n in LEDGER_FIELDS), s + row.led_win[lsel] * w, inv_freq, bits
-        )
+        lk, lv = dequantize_windows(codes.take(lsel), s + row.ledger.win[lsel] * w, inv_freq, bits)
         fp_k = fp_k.at[:, dest].set(lk.astype(fp_k.dtype), mode="drop")
         fp_v = fp_v.at[:, dest].set(lv.astype(fp_v.dtype), mode="drop")
-        for name, x in zip(LEDGER_FIELDS, f_entries, strict=True):
-            ledger[name] = ledger[name].at[:, f_target].set(x, mode="drop")
+        codes = codes.put(f_target, f_entries)
     if nf:
         fp_k = fp_k.at[:, plan.c2f_target].set(cand_k.astype(fp_k.dtype), mode="drop")
         fp_v = fp_v.at[:, plan.c2f_target].set(cand_v.astype(fp_v.dtype), mode="drop")
     if nl:
-        c_entries = quantize_windows(cand_k, cand_v, s + cand_win * w, inv_freq, bits)
-        for name, x in zip(LEDGER_FIELDS, c_entries, strict=True):
-            ledger[name] = ledger[name].at[:, plan.c2q_target].set(x, mode="drop")
+        codes = codes.put(plan.c2q_target, quantize_windows(cand_k, cand_v, s + cand_win * w, inv_freq, bits))
     return row.replace(
         fp_k=fp_k,
         fp_v=fp_v,
         fp_win=plan.fp_win,
         fp_score=plan.fp_score.astype(row.fp_score.dtype),
-        led_win=plan.led_win,
-        led_active=plan.led_active,
-        led_score=plan.led_score.astype(row.led_score.dtype),
+        ledger=row.ledger.replace(
+            codes=codes,
+            win=plan.led_win,
+            active=plan.led_active,
+            score=plan.led_score.astype(row.ledger.score.dtype),
+        ),
         promotions=row.promotions + plan.promotions,
         demotions=row.demotions + plan.demotions,
         evictions=row.evictions + plan.evictions,
-        **ledger,
     )
 
 
@@ -338,9 +323,9 @@ def plan_for_row(row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion
     return plan_routing(
         row.fp_win,
         row.fp_score,
-        row.led_win,
-        row.led_active,
-        row.led_score,
+        row.ledger.win,
+        row.ledger.active,
+        row.ledger.score,
         cand_win,
         cand_score.astype(jnp.float32),
         nq=row.caps.nq,

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from models.attention import NEG_INF
 from models.model import LayerContext
 from pallas_kernels.dispatch import ledger_attention
 from pallas_kernels.fused_attention import fused_attention
-from pallas_kernels.reference import combine_partials
+from pallas_kernels.reference import DenseTier, QuantTier, TierAttention, tier_attention_reference
 from qevict_jax.cache import (
     TieredCache,
     fill_sink_and_ring,
@@ -22,29 +20,8 @@ from qevict_jax.cache import (
     window_mask,
     write_token,
 )
-from qevict_jax.routing import LEDGER_FIELDS, apply_plan, plan_for_row
+from qevict_jax.routing import apply_plan, plan_for_row
 from qevict_jax.scoring import Ranking, prompt_windows
-
-
-def dense_partial(
-    q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Attention partial of q [B, Hkv, G, D] over k, v [B, Hkv, N, D] with valid [B, N] (or [B, Hkv, G, N]).
-
-    Returns (out [B, Hkv, G, D], m [B, Hkv, G], l [B, Hkv, G], per-key exp sums [B, Hkv, G, N]), all f32.
-    """
-    b, hkv, g, d = q.shape
-    n = k.shape[2]
-    if n == 0:
-        zeros = jnp.zeros((b, hkv, g), jnp.float32)
-        return jnp.zeros((b, hkv, g, d), jnp.float32), zeros + NEG_INF, zeros, jnp.zeros((b, hkv, g, 0))
-    mask = valid[:, None, None, :] if valid.ndim == 2 else valid
-    s = jnp.einsum("bkgd,bknd->bkgn", q.astype(jnp.float32) * d**-0.5, k.astype(jnp.float32))
-    s = jnp.where(mask, s, NEG_INF)
-    m = s.max(-1)
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    return jnp.einsum("bkgn,bknd->bkgd", p, v.astype(jnp.float32)), m, p.sum(-1), p
-
 
 # ---------------------------------------------------------------------------------------------- prefill
 
@@ -102,96 +79,47 @@ def prefill_layer(
 # ---------------------------------------------------------------------------------------------- decode
 
 
-class TierAttention(struct.PyTreeNode):
-    """Decode attention of one layer, split by tier.
-
-    out: [B, Hkv, G, D] f32 normalized output. Attention probabilities per query head:
-    sink [B, Hkv, G, S], fp [B, Hkv, G, NF, W], led [B, Hkv, G, NL] (per slot), local [B, Hkv, G, RING].
-    """
-
-    out: jax.Array
-    sink: jax.Array
-    fp: jax.Array
-    led: jax.Array
-    local: jax.Array
-
-
 def tier_attention(
-    q: jax.Array, cache: TieredCache, q_pos: jax.Array, inv_freq: jax.Array, sliding_window
+    q: jax.Array,
+    cache: TieredCache,
+    q_pos: jax.Array,
+    inv_freq: jax.Array,
+    sliding_window: int | None,
+    use_kernel: bool = False,
 ) -> TierAttention:
-    """Attention of one decode query per head q [B, Hkv, G, D] (post-RoPE, at q_pos [B]) over all tiers.
+    """Attention of one decode query per head q [B, Hkv, G, D] (post-RoPE, at q_pos [B]) over all tiers:
+    the normalized output and the head-mean mass per sink token, F slot, ledger slot and ring token.
 
     The cache must already hold the current token (in the sink or the ring) and ``length = q_pos + 1``.
+    ``use_kernel``: the Pallas kernels (``pallas_kernels.fused_attention``; not with a sliding window, whose
+    token-level masks they do not take), else the jnp reference with the fastest ledger attention here.
     """
     caps = cache.caps
     s, w = caps.sink, caps.window
-    b, hkv, g, d = q.shape
-    nf, nl = caps.nf, caps.nl
+    b, nf = cache.fp_win.shape
     sink_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     sink_ok = (sink_pos <= q_pos[:, None]) & window_mask(q_pos, sink_pos, sliding_window)
-    p_sink = dense_partial(q, cache.sink_k, cache.sink_v, sink_ok)
-
-    fp_pos = (s + cache.fp_win[:, :, None] * w + jnp.arange(w, dtype=jnp.int32)).reshape(b, nf * w)
-    fp_ok = jnp.repeat(cache.fp_win >= 0, w, axis=1) & window_mask(q_pos, fp_pos, sliding_window)
-    p_fp = dense_partial(
-        q, cache.fp_k.reshape(b, hkv, nf * w, d), cache.fp_v.reshape(b, hkv, nf * w, d), fp_ok
-    )
-
-    if nl:
-        start = s + cache.led_win * w
-        # a Q window takes part while its last token is inside the sliding window (slot granularity)
-        led_ok = cache.led_active & window_mask(q_pos, start + w - 1, sliding_window)
-        p_led = ledger_attention(
-            q, *(getattr(cache, n) for n in LEDGER_FIELDS), start, led_ok, inv_freq, window=w, bits=caps.bits
-        )
-    else:
-        zeros = jnp.zeros((b, hkv, g), jnp.float32)
-        p_led = (jnp.zeros((b, hkv, g, d)), zeros + NEG_INF, zeros, jnp.zeros((b, hkv, g, 0)))
-
+    fp_ok = cache.fp_win >= 0  # [B, NF]
+    if sliding_window is not None:
+        fp_pos = (s + cache.fp_win[:, :, None] * w + jnp.arange(w, dtype=jnp.int32)).reshape(b, nf * w)
+        fp_ok = fp_ok[:, :, None] & window_mask(q_pos, fp_pos, sliding_window).reshape(b, nf, w)
+    ledger = cache.ledger
+    start = ledger.slot_start(s, w)
+    # a Q window takes part while its last token is inside the sliding window (slot granularity)
+    led_ok = ledger.active & window_mask(q_pos, start + w - 1, sliding_window)
     loc_pos = ring_positions(cache.length, caps)
     loc_ok = ring_valid(cache.length, cache.next_win, caps) & window_mask(q_pos, loc_pos, sliding_window)
-    p_loc = dense_partial(q, cache.local_k, cache.local_v, loc_ok)
-
-    parts = (p_sink, p_fp, p_led, p_loc)
-    out, weights = combine_partials([p[:3] for p in parts])
-    probs = [p[3] * wt[..., None] for p, wt in zip(parts, weights, strict=True)]
-    return TierAttention(
-        out=out, sink=probs[0], fp=probs[1].reshape(b, hkv, g, nf, w), led=probs[2], local=probs[3]
+    tiers = (
+        DenseTier(cache.sink_k, cache.sink_v, sink_ok),
+        DenseTier(cache.fp_k, cache.fp_v, fp_ok),
+        QuantTier(ledger.codes, start, led_ok),
+        DenseTier(cache.local_k, cache.local_v, loc_ok),
     )
-
-
-def kernel_tier_attention(
-    q: jax.Array, cache: TieredCache, q_pos: jax.Array, inv_freq: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``tier_attention`` through the Pallas kernels (compiled on a GPU, interpreted elsewhere).
-
-    q [B, Hkv, G, D] -> (out [B, Hkv, G, D] f32, head-mean masses per F slot [B, NF], per ledger slot
-    [B, NL], per ring token [B, RING]). No sliding window.
-    """
-    caps = cache.caps
-    s, w = caps.sink, caps.window
-    sink_valid = jnp.arange(s, dtype=jnp.int32)[None] <= q_pos[:, None]
-    loc_pos = ring_positions(cache.length, caps)
-    loc_pos = jnp.where(ring_valid(cache.length, cache.next_win, caps), loc_pos, -1)
-    att = fused_attention(
-        q,
-        cache.sink_k,
-        cache.sink_v,
-        sink_valid,
-        cache.fp_k,
-        cache.fp_v,
-        cache.fp_win >= 0,
-        *(getattr(cache, n) for n in LEDGER_FIELDS),
-        s + cache.led_win * w,
-        cache.led_active,
-        inv_freq,
-        cache.local_k,
-        cache.local_v,
-        loc_pos,
-        window=w,
-        bits=caps.bits,
+    if use_kernel and sliding_window is None:
+        return fused_attention(q, *tiers, inv_freq, window=w, bits=caps.bits)
+    return tier_attention_reference(
+        q, *tiers, inv_freq, window=w, bits=caps.bits, ledger_attention=ledger_attention
     )
-    return att.out, att.fp_mass, att.q_mass, att.local_mass
 
 
 def decode_layer(
@@ -206,10 +134,9 @@ def decode_layer(
     """One decode step of one layer: q [B, 1, H, D], k, v [B, 1, Hkv, D] post-RoPE -> (out [B, 1, H, D],
     cache).
 
-    Writes the token into the sink or the ring, attends over all tiers, adds the head-mean window masses
-    to the scores (the routing event every Ω steps runs after the layer scan: ``decode_route``). ``use_kernel``: attend with the Pallas kernels
-    (``pallas_kernels.fused_attention``) instead of the jnp reference (not with a sliding window, whose
-    token-level masks the kernels do not take).
+    Writes the token into the sink or the ring, attends over all tiers (``tier_attention``), adds the
+    head-mean window masses to the scores (the routing event every Ω steps runs after the layer scan:
+    ``decode_route``). ``use_kernel``: attend with the Pallas kernels.
     """
     caps = cache.caps
     s, w = caps.sink, caps.window
@@ -223,19 +150,12 @@ def decode_layer(
     cache = write_token(cache, pos, kx, vx)
     cache = cache.replace(loc_score=jnp.where(fresh, 0.0, cache.loc_score))
     qg = q[:, 0].reshape(b, hkv, h // hkv, d)
-    if use_kernel and ctx.cfg.sliding_window is None:
-        out, fp_mass, led_mass, loc_tok = kernel_tier_attention(qg, cache, pos, ctx.inv_freq)
-    else:
-        att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window)
-        out = att.out
-        fp_mass = att.fp.mean(axis=(1, 2)).sum(-1)  # [B, NF]
-        led_mass = att.led.mean(axis=(1, 2))  # [B, NL]
-        loc_tok = att.local.mean(axis=(1, 2))  # [B, RING]
-    loc_mass = loc_tok.reshape(b, caps.ring_windows, w).sum(-1)  # [B, RW]
+    att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window, use_kernel)
+    loc_mass = att.local_mass.reshape(b, caps.ring_windows, w).sum(-1)  # [B, RW]
     cache = cache.replace(
-        fp_score=ranking.update(cache.fp_score, fp_mass),
-        led_score=ranking.update(cache.led_score, led_mass),
+        fp_score=ranking.update(cache.fp_score, att.fp_mass),
+        ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, att.q_mass)),
         loc_score=ranking.update(cache.loc_score, loc_mass),
         steps=cache.steps + 1,
     )
-    return out.reshape(b, 1, h, d).astype(q.dtype), cache
+    return att.out.reshape(b, 1, h, d).astype(q.dtype), cache

@@ -12,7 +12,6 @@ from test_quant import np_quantize
 from models.attention import chunked_attention
 from models.config import ModelConfig
 from models.model import LayerContext
-from pallas_kernels.quant import dequantize_keys, dequantize_values
 from qevict_jax.budget import pyramid_layer_caps
 from qevict_jax.cache import ring_positions, ring_valid
 from qevict_jax.kv import full_kv_bytes
@@ -398,7 +397,7 @@ def test_kivi_quantization_matches_numpy(name, bits):
     ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
     q = jnp.asarray(rs.randn(1, t, H, D), jnp.float32)
     _, cache = prefill_layer(q, jnp.asarray(k), jnp.asarray(v), cache, ctx, method.ranking, False, 512)
-    win = np.asarray(cache.led_win[0])
+    win = np.asarray(cache.ledger.win[0])
     n_routed = (t - 128) // 32
     assert sorted(win[win >= 0].tolist()) == list(range(n_routed))  # nothing evicted
     assert int(cache.evictions[0]) == 0
@@ -410,18 +409,15 @@ def test_kivi_quantization_matches_numpy(name, bits):
             -1,
         )
     )  # [Hkv, N, 32, D]
+    row_codes = jax.tree.map(lambda x: x[0], cache.ledger.codes)
     for slot in np.nonzero(win >= 0)[0]:
         w = win[slot]
         kc, ks, kz = np_quantize(k_pre[:, w].swapaxes(-1, -2), bits)  # per channel over the group
         vc, vs, vz = np_quantize(v[0, w * 32 : (w + 1) * 32].transpose(1, 0, 2), bits)  # per token
-        k_hat = dequantize_keys(
-            cache.led_kc[0, :, slot], cache.led_ks[0, :, slot], cache.led_kz[0, :, slot], bits
-        )
-        v_hat = dequantize_values(
-            cache.led_vc[0, :, slot], cache.led_vs[0, :, slot], cache.led_vz[0, :, slot], bits
-        )
-        np.testing.assert_array_equal(np.asarray(cache.led_ks[0, :, slot]), ks)
-        np.testing.assert_array_equal(np.asarray(cache.led_vz[0, :, slot]), vz)
+        codes = row_codes.take(jnp.int32(slot))
+        k_hat, v_hat = codes.dequantize(bits)
+        np.testing.assert_array_equal(np.asarray(codes.k_scale), ks)
+        np.testing.assert_array_equal(np.asarray(codes.v_zero), vz)
         want_k = (kc * ks.astype(np.float32)[..., None] + kz.astype(np.float32)[..., None]).swapaxes(-1, -2)
         want_v = vc * vs.astype(np.float32)[..., None] + vz.astype(np.float32)[..., None]
         np.testing.assert_allclose(np.asarray(k_hat), want_k, atol=1e-6)

@@ -10,7 +10,9 @@ import pytest
 from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax import generate as gen
-from qevict_jax.generate import SamplerConfig, bucket_floor, bucket_length, generate, sample
+from qevict_jax.compiled import ExecutableCache, bucket_floor, bucket_length
+from qevict_jax.generate import generate
+from qevict_jax.sampling import SamplerConfig, sample
 
 TINY = ModelConfig(
     family="llama",
@@ -105,20 +107,20 @@ def test_eos_stops_each_row():
 
 def test_one_compilation_per_bucket(model):
     sampler = SamplerConfig(max_new_tokens=4)
-    before = dict(gen.TRACE_COUNTS)
+    before = dict(gen.EXECUTABLES.compilations)
     rs = np.random.RandomState(3)
     # 65..128 share a bucket; 129 starts a new one
     for n in (70, 90, 128):
         generate(model, [list(rs.randint(0, TINY.vocab_size, n))], sampler)
-    mid = dict(gen.TRACE_COUNTS)
-    assert mid.get("prefill", 0) - before.get("prefill", 0) <= 1
-    assert mid.get("decode", 0) - before.get("decode", 0) <= 1
+    mid = dict(gen.EXECUTABLES.compilations)
+    assert mid.get("_prefill", 0) - before.get("_prefill", 0) <= 1
+    assert mid.get("_decode", 0) - before.get("_decode", 0) <= 1
     generate(model, [list(rs.randint(0, TINY.vocab_size, 129))], sampler)
-    assert gen.TRACE_COUNTS["prefill"] - mid.get("prefill", 0) == 1
+    assert gen.EXECUTABLES.compilations["_prefill"] - mid.get("_prefill", 0) == 1
 
 
 def test_executable_cache_keeps_the_most_recent_executables():
-    cache = gen.ExecutableCache(capacity=2)
+    cache = ExecutableCache(capacity=2)
     double = jax.jit(lambda x: 2 * x)
     compiles = []
     for n in (1, 2, 1, 3, 2, 1):  # shapes; capacity 2 drops the least recently used one
@@ -128,7 +130,7 @@ def test_executable_cache_keeps_the_most_recent_executables():
     assert compiles == [True, True, False, True, True, True]
     assert len(cache) == 2
     with pytest.raises(ValueError, match="capacity"):
-        gen.ExecutableCache(capacity=0)
+        ExecutableCache(capacity=0)
 
 
 def test_bucket_lengths():

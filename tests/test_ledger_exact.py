@@ -21,7 +21,6 @@ from models.config import ModelConfig
 from qevict_jax.cache import init_cache
 from qevict_jax.config import Capacities, ring_capacity
 from qevict_jax.routing import (
-    LEDGER_FIELDS,
     apply_plan,
     dequantize_windows,
     plan_counts,
@@ -30,6 +29,7 @@ from qevict_jax.routing import (
 )
 
 W, D, NF, NQ, K = 8, 8, 3, 4, 2
+CODE_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")  # QuantizedWindows leaves
 MODEL = ModelConfig(
     family="llama",
     vocab_size=16,
@@ -79,8 +79,8 @@ def jitted_reference(nl: int):
 
     def ref(k, v, start):
         codes = quantize_windows(k[:, None], v[:, None], start[None], INV_FREQ, bits)
-        dk, dv = dequantize_windows(*codes, start[None], INV_FREQ, bits)
-        return tuple(c[:, 0] for c in codes), dk[:, 0], dv[:, 0]
+        dk, dv = dequantize_windows(codes, start[None], INV_FREQ, bits)
+        return tuple(c[:, 0] for c in jax.tree.leaves(codes)), dk[:, 0], dv[:, 0]
 
     return jax.jit(ref)
 
@@ -110,11 +110,13 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events)
 
     for _ in range(events):
         # resident windows' scores drift (coarse: ties are frequent), new candidates with random KV
-        fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.led_win)
-        led_active = np.asarray(row.led_active)
+        fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.ledger.win)
+        led_active = np.asarray(row.ledger.active)
         fp_score = np.where(fp_win >= 0, rng.integers(0, 6, NF), 0).astype(np.float32)
         led_score = np.where(led_active, rng.integers(0, 6, nl), 0).astype(np.float32)
-        row = row.replace(fp_score=jnp.asarray(fp_score), led_score=jnp.asarray(led_score))
+        row = row.replace(
+            fp_score=jnp.asarray(fp_score), ledger=row.ledger.replace(score=jnp.asarray(led_score))
+        )
         n_cand = int(rng.integers(0, K + 1))
         cand_win = np.full(K, -1, np.int32)
         cand_win[:n_cand] = np.arange(next_win, next_win + n_cand)
@@ -149,11 +151,11 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events)
             bounded_events += 1
             for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(bounded), strict=True):
                 assert np.array_equal(np.asarray(a), np.asarray(b))
-        fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.led_win)
-        led_active = np.asarray(row.led_active)
+        fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.ledger.win)
+        led_active = np.asarray(row.ledger.active)
         fp_k = np.asarray(row.fp_k.astype(jnp.float32))
         fp_v = np.asarray(row.fp_v.astype(jnp.float32))
-        ledger = [np.asarray(getattr(row, name)) for name in LEDGER_FIELDS]
+        ledger = [np.asarray(x) for x in jax.tree.leaves(row.ledger.codes)]
 
         in_f = [int(w) for w in fp_win if w >= 0]
         in_q = [int(w) for w, a in zip(led_win, led_active, strict=True) if a]
@@ -194,7 +196,7 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events)
                 first_codes[w] = codes
                 ever_quantized.add(w)
             for name, got, first, want in zip(
-                LEDGER_FIELDS, codes, first_codes[w], ref_codes[w], strict=True
+                CODE_FIELDS, codes, first_codes[w], ref_codes[w], strict=True
             ):
                 assert np.array_equal(got, first), (name, w)
                 assert np.array_equal(got, want), (name, w)

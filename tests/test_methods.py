@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from qevict_jax import generate as gen
-from qevict_jax.generate import SamplerConfig, bucket_floor, bucket_length, generate
+from qevict_jax.compiled import bucket_floor, bucket_length
+from qevict_jax.generate import SamplerConfig, generate
 from qevict_jax.kv import full_kv_bytes
 from qevict_jax.methods import available_methods, make_method
 from qevict_jax.qevict import VARIANTS
@@ -65,9 +66,9 @@ def test_every_method_on_smollm2(smol, name):
     sampler = SamplerConfig(max_new_tokens=NEW)
     assert bucket_length(PROMPT) == bucket_length(PROMPT - 10)
     res = generate(model, [ids[:PROMPT]], sampler, method)
-    traces = dict(gen.TRACE_COUNTS)
+    traces = dict(gen.EXECUTABLES.compilations)
     res2 = generate(model, [ids[7 : 7 + PROMPT - 10]], sampler, method)
-    assert dict(gen.TRACE_COUNTS) == traces, "a same-bucket prompt compiled again"
+    assert dict(gen.EXECUTABLES.compilations) == traces, "a same-bucket prompt compiled again"
     assert len(res.tokens[0]) == NEW and len(res2.tokens[0]) == NEW
     for leaf in jax.tree.leaves(res.cache):
         if jnp.issubdtype(leaf.dtype, jnp.floating):

@@ -17,15 +17,16 @@ from hypothesis import strategies as st
 
 from models.attention import NEG_INF
 from pallas_kernels import cpu_ledger, dispatch
-from pallas_kernels.fused_attention import (
-    dense_slot_attention,
-    dense_slot_attention_reference,
-    fused_attention,
-    fused_attention_reference,
-)
+from pallas_kernels.fused_attention import dense_slot_attention, fused_attention
 from pallas_kernels.ledger_attention import ledger_attention, plan_splits, rope_cos_sin, unpack_last
-from pallas_kernels.quant import unpack
-from pallas_kernels.reference import ledger_attention_reference
+from pallas_kernels.quant import QuantizedWindows, unpack
+from pallas_kernels.reference import (
+    DenseTier,
+    QuantTier,
+    ledger_partial,
+    slot_partial,
+    tier_attention_reference,
+)
 
 SINK = 5
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -63,6 +64,30 @@ def _ledger_inputs(rng, b, hkv, g, d, nl, w, bits, q_dtype, masked_row):
 
 def _to_jnp(args: dict) -> dict:
     return {k: jnp.asarray(v) for k, v in args.items()}
+
+
+CODE_NAMES = ("kc", "ks", "kz", "vc", "vs", "vz")
+
+
+def _ledger(args: dict) -> dict:
+    """The ledger kernels' keyword arguments from the flat arrays: q, tier (``QuantTier``), inv_freq."""
+    codes = QuantizedWindows(*(args[n] for n in CODE_NAMES))
+    return dict(
+        q=args["q"], tier=QuantTier(codes, args["slot_start"], args["slot_valid"]), inv_freq=args["inv_freq"]
+    )
+
+
+def _tiers(args: dict) -> dict:
+    """``fused_attention``'s keyword arguments from the flat arrays (local_pos -1 = empty)."""
+    led = _ledger(args)
+    return dict(
+        q=args["q"],
+        sink=DenseTier(args["sink_k"], args["sink_v"], args["sink_valid"]),
+        fp=DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]),
+        ledger=led["tier"],
+        local=DenseTier(args["local_k"], args["local_v"], args["local_pos"] >= 0),
+        inv_freq=args["inv_freq"],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -206,9 +231,15 @@ def test_ledger_attention_matches_reference_and_float64(d, g, w, bits, nl, block
     args = _to_jnp(a)
     args["q"] = args["q"].astype(dtype)
     got = ledger_attention(
-        **args, window=w, bits=bits, interpret=True, block_slots=block, num_splits=splits, poison=True
+        **_ledger(args),
+        window=w,
+        bits=bits,
+        interpret=True,
+        block_slots=block,
+        num_splits=splits,
+        poison=True,
     )
-    want = ledger_attention_reference(**args, window=w, bits=bits)
+    want = ledger_partial(**_ledger(args), window=w, bits=bits)
     _assert_partial(got, [np.asarray(x) for x in want], TOL[dtype], a["slot_valid"])
     k, v = _np_ledger_kv(a, w, bits)
     q64 = np.asarray(args["q"].astype(jnp.float32), np.float64)
@@ -230,8 +261,8 @@ def test_cpu_ledger_kernel_matches_reference_and_float64(d, g, w, bits, nl, dtyp
     a = _ledger_inputs(rng, 3, 2, g, d, nl, w, bits, np.float32, masked)
     args = _to_jnp(a)
     args["q"] = args["q"].astype(dtype)
-    got = jax.jit(functools.partial(cpu_ledger.ledger_attention_cpu, window=w, bits=bits))(**args)
-    want = ledger_attention_reference(**args, window=w, bits=bits)
+    got = jax.jit(functools.partial(cpu_ledger.ledger_attention_cpu, window=w, bits=bits))(**_ledger(args))
+    want = ledger_partial(**_ledger(args), window=w, bits=bits)
     _assert_partial(got, [np.asarray(x) for x in want], TOL[dtype], a["slot_valid"])
     k, v = _np_ledger_kv(a, w, bits)
     q64 = np.asarray(args["q"].astype(jnp.float32), np.float64)
@@ -257,7 +288,9 @@ def test_ledger_attention_never_reads_invalid_slots():
     bad = ~a["slot_valid"][:, None, :]
     for name in ("ks", "kz", "vs", "vz"):
         a[name] = np.where(bad[..., None], np.float16(np.nan), a[name])
-    got = ledger_attention(**_to_jnp(a), window=w, bits=bits, interpret=True, block_slots=2, num_splits=2)
+    got = ledger_attention(
+        **_ledger(_to_jnp(a)), window=w, bits=bits, interpret=True, block_slots=2, num_splits=2
+    )
     k, v = _np_ledger_kv(a, w, bits)
     _assert_partial(got, _np_partial(a["q"], k, v, a["slot_valid"]), 1e-5, a["slot_valid"])
 
@@ -278,8 +311,9 @@ def test_dense_slot_attention_matches_reference_and_float64(d, g, w, n, dtype):
     v = jnp.asarray(rng.standard_normal((b, hkv, n, w, d)), dtype)
     valid = rng.random((b, n)) < 0.6
     valid[0, 0], valid[1] = True, False
-    got = dense_slot_attention(q, k, v, jnp.asarray(valid), interpret=True, block_slots=4, poison=True)
-    want = [np.asarray(x) for x in dense_slot_attention_reference(q, k, v, jnp.asarray(valid))]
+    tier = DenseTier(k, v, jnp.asarray(valid))
+    got = dense_slot_attention(q, tier, interpret=True, block_slots=4, poison=True)
+    want = [np.asarray(x) for x in slot_partial(q, tier)]
     _assert_partial(got, want, TOL[dtype], valid)
     as64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
     _assert_partial(got, _np_partial(as64(q), as64(k), as64(v), valid), TOL[dtype], valid)
@@ -341,9 +375,9 @@ def _np_fused(args: dict, a: dict, w: int, bits: int):
 def test_fused_attention_matches_reference_and_float64(d, g, w, bits, nf, nl, nr, dtype):
     a, args = _fused_inputs(np.random.default_rng(d * g), 2, 2, g, d, w, bits, nf, nl, nr, dtype)
     got = fused_attention(
-        **args, window=w, bits=bits, interpret=True, block_slots=4, num_splits=2, poison=True
+        **_tiers(args), window=w, bits=bits, interpret=True, block_slots=4, num_splits=2, poison=True
     )
-    want = fused_attention_reference(**args, window=w, bits=bits)
+    want = tier_attention_reference(**_tiers(args), window=w, bits=bits)
     np_out, np_masses = _np_fused(args, a, w, bits)
     tol = TOL[dtype]
     names = ("sink_mass", "fp_mass", "q_mass", "local_mass")
@@ -362,7 +396,7 @@ def test_fused_attention_matches_reference_and_float64(d, g, w, bits, nf, nl, nr
 
 
 def _abstract(args: dict) -> dict:
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in args.items()}
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), args)
 
 
 def test_kernels_lower_to_triton_for_cuda():
@@ -373,5 +407,5 @@ def test_kernels_lower_to_triton_for_cuda():
         pytest.skip("this jaxlib compiles Triton during lowering, which needs a GPU")
     _, args = _fused_inputs(np.random.default_rng(0), 2, 2, 4, 128, 8, 2, 3, 37, 9, jnp.bfloat16)
     fn = functools.partial(fused_attention, window=8, bits=2, interpret=False, poison=True)
-    text = jax.jit(fn).trace(**_abstract(args)).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(fn).trace(**_abstract(_tiers(args))).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 4  # sink, F, Q, local

@@ -285,6 +285,9 @@ def jitted_route(promotion: bool):
     return jax.jit(jax.vmap(lambda row: route_row(row, INV_FREQ, ranking, promotion)))
 
 
+CODE_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+
+
 def slot_of(win_arr, w):
     idx = np.flatnonzero(np.asarray(win_arr) == w)
     assert idx.size == 1, (win_arr, w)
@@ -293,7 +296,8 @@ def slot_of(win_arr, w):
 
 def set_scores(cache, f_score: float, q_score: float):
     return cache.replace(
-        fp_score=jnp.full_like(cache.fp_score, f_score), led_score=jnp.full_like(cache.led_score, q_score)
+        fp_score=jnp.full_like(cache.fp_score, f_score),
+        ledger=cache.ledger.replace(score=jnp.full_like(cache.ledger.score, q_score)),
     )
 
 
@@ -306,25 +310,24 @@ def test_promote_demote_cycles_are_bit_exact_and_never_drift(seed):
     assert int(cache.next_win[0]) == 2 and int(cache.fp_win[0, 0]) == 0
     # candidate -> F is a copy; positions are never renumbered: F holds window 0's own tokens
     np.testing.assert_array_equal(np.asarray(cache.fp_k[0, :, 0]), ring_k[:, 0:W])
-    l1 = slot_of(cache.led_win[0], 1)
-    first_codes = {
-        n: np.asarray(getattr(cache, n)[0, :, l1]) for n in ("led_kc", "led_ks", "led_kz", "led_vc")
-    }
+    l1 = slot_of(cache.ledger.win[0], 1)
+    codes_of = lambda c: {n: np.asarray(getattr(c.ledger.codes, n)[0, :, l1]) for n in CODE_NAMES}
+    first_codes = codes_of(cache)
 
     f_copies = []
     for _ in range(4):
         # window 1 rises: promoted (dequantized into F, ledger entry dormant); window 0 demoted
         cache = route(set_scores(cache, 0.0, 5.0))
         assert int(cache.fp_win[0, 0]) == 1 and int(cache.promotions[0]) >= 1
-        l1_now = slot_of(cache.led_win[0], 1)
-        assert l1_now == l1 and not bool(cache.led_active[0, l1])  # dormant, same slot
+        l1_now = slot_of(cache.ledger.win[0], 1)
+        assert l1_now == l1 and not bool(cache.ledger.active[0, l1])  # dormant, same slot
         f_copies.append(np.asarray(cache.fp_k[0, :, 0]))
         # window 1 falls: demoted again, reactivating the dormant entry (bit for bit)
         cache = route(set_scores(cache, 0.0, 5.0))
         assert int(cache.fp_win[0, 0]) == 0
-        assert bool(cache.led_active[0, l1]) and int(cache.led_win[0, l1]) == 1
-        for name, codes in first_codes.items():
-            np.testing.assert_array_equal(np.asarray(getattr(cache, name)[0, :, l1]), codes)
+        assert bool(cache.ledger.active[0, l1]) and int(cache.ledger.win[0, l1]) == 1
+        for name, codes in codes_of(cache).items():
+            np.testing.assert_array_equal(codes, first_codes[name])
     for copy in f_copies[1:]:
         np.testing.assert_array_equal(copy, f_copies[0])  # no drift: N cycles == 1 cycle
     # the promoted copy is the dequantized, re-rotated ledger window: close to the original keys
@@ -339,5 +342,5 @@ def test_without_promotion_q_never_returns_to_f():
     for _ in range(3):
         cache = route(set_scores(cache, 0.0, 100.0))
         assert int(cache.fp_win[0, 0]) == 0  # the Q window's score is higher, but it stays in Q
-        assert int(cache.led_win[0, slot_of(cache.led_win[0], 1)]) == 1
+        assert int(cache.ledger.win[0, slot_of(cache.ledger.win[0], 1)]) == 1
     assert int(cache.promotions[0]) == 0

@@ -106,7 +106,7 @@ def check_feasible(
 
 
 def _trace_total() -> int:
-    return sum(gen.TRACE_COUNTS.values())
+    return sum(gen.EXECUTABLES.compilations.values())
 
 
 def _strip_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:

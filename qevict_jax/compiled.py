@@ -1,0 +1,81 @@
+"""Shapes and compilations: the length buckets that share one compilation, and the cache of compiled
+executables that the generation functions run through (``generate.py``)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import jax
+
+
+def bucket_length(n: int) -> int:
+    """Round a prompt length up to its bucket: multiples of max(64, 2^floor(log2 n) / 16).
+
+    The bucket granularity is at most 1/16 of the length, so a whole bucket shares one compilation and
+    padding wastes little prefill compute.
+    """
+    if n < 1:
+        raise ValueError("empty prompt")
+    step = max(64, (1 << (n.bit_length() - 1)) // 16)
+    return -(-n // step) * step
+
+
+def bucket_floor(n: int) -> int:
+    """Smallest prompt length that falls in the same bucket as ``n``."""
+    top = bucket_length(n)
+    lo = n
+    while lo > 1 and bucket_length(lo - 1) == top:
+        lo -= 1
+    return lo
+
+
+def chunk_capacity(n: int) -> int:
+    """Padded length of an appended chunk of ``n`` tokens (a multiple of 16: one compilation per bucket)."""
+    return -(-n // 16) * 16
+
+
+class ExecutableCache:
+    """Ahead-of-time compiled executables, keyed by function, static arguments and dynamic shapes/dtypes.
+
+    Compiling ahead of time keeps compilation out of the measured time to first token. The cache keeps the
+    ``capacity`` most recently used executables: each XLA CPU executable holds its machine code in memory
+    mappings of its own, and an unbounded cache in a long process (a sweep over many shapes, the test suite)
+    runs into the kernel's limit on mappings (``vm.max_map_count``), where the compiler crashes.
+    ``compilations`` counts the compilations per function name (a test of "one compilation per shape
+    bucket" reads it).
+    """
+
+    def __init__(self, capacity: int = 48) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._executables: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self.compilations: collections.Counter[str] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._executables)
+
+    def clear(self) -> None:
+        self._executables.clear()
+
+    def run(self, jitted, static: dict[int, Any], *args) -> tuple[Any, float]:
+        """Call ``jitted(*args)`` through a cached executable; returns (outputs, seconds spent compiling)."""
+        dynamic = [a for i, a in enumerate(args) if i not in static]
+        leaves, treedef = jax.tree.flatten(dynamic)
+        key = (jitted, tuple(sorted(static.items())), treedef, tuple((x.shape, x.dtype) for x in leaves))
+        compile_s = 0.0
+        if key in self._executables:
+            self._executables.move_to_end(key)
+        else:
+            t0 = time.perf_counter()
+            self._executables[key] = jitted.lower(*args).compile()
+            compile_s = time.perf_counter() - t0
+            self.compilations[getattr(jitted, "__name__", repr(jitted))] += 1
+            while len(self._executables) > self.capacity:
+                self._executables.popitem(last=False)
+        return self._executables[key](*dynamic), compile_s
+
+
+EXECUTABLES = ExecutableCache()
