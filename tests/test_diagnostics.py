@@ -41,6 +41,9 @@ def test_tier_mass_hand_computed():
     assert got["Q"] == pytest.approx(0.6 / 4)
     assert got["E"] == pytest.approx(0.9 / 4)
     assert got["local"] == pytest.approx(1 - 3.3 / 4)
+    hist = M.historical_shares(got)
+    assert hist == pytest.approx({"F": 1.8 / 3.3, "Q": 0.6 / 3.3, "E": 0.9 / 3.3})
+    assert np.isnan(M.historical_shares({"F": 0.0, "Q": 0.0, "E": 0.0, "local": 1.0})["F"])
 
 
 def test_tier_mass_empty_q_tier():
@@ -188,14 +191,17 @@ def test_recovered_q_mass_hand_computed_and_empty_q():
     mass[:, 0, 2] = 0.5
     tiers = np.array([[[F, Q, Q]], [[F, Q, E]], [[F, Q, E]]], np.int8)
     post = np.array([[[5.0, 1.0, 2.0]], [[6.0, 1.25, 0.0]], [[7.0, 1.9, 0.0]]])
-    pre = np.array([[[6.0, 1.25, 2.9]], [[7.0, 1.9, 0.0]]])
+    pre = np.array([[[6.0, 1.25, 3.2]], [[7.0, 1.9, 0.0]]])
     got = M.recovered_q_mass(mass, tiers, post, pre, omega=2)
-    # credited: interval 0: 0.25 + 0.9, interval 1: 0.65; full: 0.3 + 1.0, then 0.7
-    assert got["credited"] == pytest.approx(1.8)
+    # interval 0: window 1 credited 0.25 of 0.3, window 2 credited 1.2 of 1.0 (capped at 1.0);
+    # interval 1: window 1 credited 0.65 of 0.7; F windows and evicted ones do not count
+    assert got["credited"] == pytest.approx(2.1)
     assert got["full"] == pytest.approx(2.0)
-    assert got["rq"] == pytest.approx(0.9)
+    assert got["rq_ratio"] == pytest.approx(1.05)
+    assert got["rq"] == pytest.approx((0.25 + 1.0 + 0.65) / 2.0)
     no_q = np.array([[[F, E, E]]] * 3, np.int8)
-    assert np.isnan(M.recovered_q_mass(mass, no_q, post, pre, omega=2)["rq"])
+    empty = M.recovered_q_mass(mass, no_q, post, pre, omega=2)
+    assert np.isnan(empty["rq"]) and np.isnan(empty["rq_ratio"]) and empty["full"] == 0.0
 
 
 # ---------------------------------------------------------------------------------------------- transitions
@@ -256,6 +262,8 @@ def test_reference_trace_rows_are_full_kv_attention(tiny, reference, sequences):
     assert reference.prompt_rows.shape == (2, 2, P + G)
     np.testing.assert_allclose(reference.rows.sum(-1), 1.0, atol=1e-5)  # one softmax row per step and layer
     np.testing.assert_allclose(reference.prompt_rows.sum(-1), 16.0, atol=1e-4)  # n_obs rows
+    np.testing.assert_allclose(reference.prompt_all.sum(-1), P, rtol=1e-5)  # every prompt row
+    assert np.abs(reference.prompt_all[..., P:]).max() == 0.0  # prompt queries never see the targets
     # causal: step g's query (position P + g) puts no mass on later keys
     for g in (0, 7, G - 1):
         assert np.abs(reference.rows[:, g, :, P + g + 1 :]).max(initial=0.0) == 0.0
@@ -293,7 +301,8 @@ def test_policy_trace_tiers_follow_the_cache(tiny, sequences, reference, name):
         assert np.isnan(scalars["rq"]) and np.isnan(scalars["qsa"])
     else:
         assert trace.nq > 0 and scalars["mass_Q"] > 0
-        assert 0.3 < scalars["rq"] < 3.0  # INT2 attention credits Q windows mass of the Full-KV order
+        assert 0.3 < scalars["rq"] <= 1.0  # INT2 attention credits Q windows mass of the Full-KV order
+        assert scalars["rq_ratio"] >= scalars["rq"]
     if name == "qevict-nopromo":
         assert scalars["q_to_f"] == 0 and scalars["lir"] == 0.0  # no promotion: nothing comes back to F
 

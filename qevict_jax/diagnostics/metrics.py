@@ -47,6 +47,13 @@ def tier_mass(mass: np.ndarray, total: np.ndarray, tiers: np.ndarray, omega: int
     return out
 
 
+def historical_shares(shares: dict[str, float]) -> dict[str, float]:
+    """Tier-mass shares of the routed history only: {"F", "Q", "E"} of ``tier_mass`` renormalized to sum to
+    1 (the local mass of sinks and the recent ring left out); NaN when the routed windows hold no mass."""
+    hist = shares["F"] + shares["Q"] + shares["E"]
+    return {k: shares[k] / hist if hist > 0 else float("nan") for k in TIER_NAMES}
+
+
 def future_missed_mass(
     mass: np.ndarray, total: np.ndarray, tiers: np.ndarray, omega: int, horizon: int = 32
 ) -> np.ndarray:
@@ -189,21 +196,35 @@ def recovered_q_mass(
     Interval r = the decode steps ``[r·Ω, (r+1)·Ω)`` between events r and r + 1 (r = 0..R-2), during which
     the Q set ``tiers[r] == Q`` does not change. ``scores_post`` [R, L, NW]: each window's cache score right
     after event r; ``scores_pre`` [R-1, L, NW]: right before event r + 1 routes. With the cumulative ranking
-    a Q window's score grows by exactly the mass the compressed decode credits it, so
-    ``credited = sum_{r, l, w in Q_r} (scores_pre[r] - scores_post[r])`` and
-    ``full = sum_{r, l, w in Q_r} sum_{g in interval r} mass[g, l, w]``; RQ = credited / full, pooled over
-    intervals and layers (NaN when Q is always empty). Can exceed 1: the compressed softmax renormalizes over
-    fewer keys. Returns {"rq", "credited", "full"}.
+    a Q window's score grows by exactly the mass the compressed decode credits it, so per (r, l, w in Q_r)
+    ``credited = scores_pre[r] - scores_post[r]`` and ``full = sum_{g in interval r} mass[g, l, w]``.
+
+    - ``rq`` = sum min(credited, full) / sum full, pooled over intervals, layers and windows: the share of
+      the Full-KV mass that reaches the Q windows (at most 1; a window credited more than its Full-KV mass
+      counts its Full-KV mass).
+    - ``rq_ratio`` = sum credited / sum full: can exceed 1, because the compressed softmax renormalizes over
+      fewer keys (the evicted windows' mass lands on the kept ones, Q included).
+
+    Both NaN when Q is always empty. Returns {"rq", "rq_ratio", "credited", "full"}.
     """
-    credited = full = 0.0
+    credited = capped = full = 0.0
     for r in range(scores_pre.shape[0]):
         s, e = r * omega, min((r + 1) * omega, mass.shape[0])
         sel = tiers[r] == Q  # [L, NW]
         if not sel.any() or s >= e:
             continue
-        credited += float(np.sum(np.where(sel, scores_pre[r] - scores_post[r], 0.0)))
-        full += float(np.sum(np.where(sel[None], mass[s:e], 0.0)))
-    return {"rq": credited / full if full > 0 else float("nan"), "credited": credited, "full": full}
+        got = (scores_pre[r] - scores_post[r])[sel]
+        want = mass[s:e].sum(axis=0)[sel]
+        credited += float(got.sum())
+        capped += float(np.minimum(got, want).sum())
+        full += float(want.sum())
+    ok = full > 0
+    return {
+        "rq": capped / full if ok else float("nan"),
+        "rq_ratio": credited / full if ok else float("nan"),
+        "credited": credited,
+        "full": full,
+    }
 
 
 def transition_matrix(tiers: np.ndarray, lag: int) -> tuple[np.ndarray, np.ndarray]:

@@ -25,15 +25,19 @@ def passage_metrics(
     [3, 3]}}).
 
     Scalars: fmm (mean over uncensored events), churn (mean over event pairs), lir, lir_median_return,
-    qsa (mean over events where defined), rq, mass_F/Q/E/local (tier-mass shares), q_to_f (lag-1 Q->F
-    transitions, summed over layers), and ``T{δ}_{a}{b}`` lag-δ transition probabilities.
+    qsa (mean over events where defined), rq and rq_ratio, mass_F/Q/E/local (tier-mass shares), hist_F/Q/E
+    (the same over the routed history only), q_to_f (lag-1 Q->F transitions, summed over layers), and
+    ``T{δ}_{a}{b}`` lag-δ transition probabilities. QSA's reference starts from the Full-KV mass of the
+    prompt queries the policy's ranking starts from (the observation window, or every prompt query for
+    "cumulative-all").
     """
     tiers, r_count = trace.tiers[row], trace.tiers.shape[1]
     nw = tiers.shape[-1]
     rows = ref.rows[row]  # [G, L, T]
     mass = window_mass(rows, trace.sink, trace.window, nw)  # [G, L, NW]
     total = rows.sum(-1)
-    prompt = window_mass(ref.prompt_rows[row], trace.sink, trace.window, nw)  # [L, NW]
+    prompt_rows = ref.prompt_all[row] if trace.ranking == "cumulative-all" else ref.prompt_rows[row]
+    prompt = window_mass(prompt_rows, trace.sink, trace.window, nw)  # [L, NW]
     fmm = M.future_missed_mass(mass, total, tiers, trace.omega, horizon)
     lir = M.global_lir(tiers, eligibility)
     qsa = M.qsa(trace.scores[row], M.cumulative_reference(prompt, mass, trace.omega, r_count), tiers)
@@ -47,7 +51,9 @@ def passage_metrics(
         "lir_median_return": lir["median_return"],
         "qsa": nanmean(qsa),
         "rq": rq["rq"],
+        "rq_ratio": rq["rq_ratio"],
         **{f"mass_{k}": v for k, v in shares.items()},
+        **{f"hist_{k}": v for k, v in M.historical_shares(shares).items()},
     }
     counts = {}
     for lag in LAGS:
@@ -117,14 +123,16 @@ def tables(recs: list[dict[str, Any]], windows: dict[str, int], horizon: int, el
         )
     lines += [
         "",
-        "Table 15 (tier mass): share of Full-KV attention mass on F, Q, evicted and local (sinks + recent ring)",
+        "Table 15 (tier mass): share of Full-KV attention mass on F, Q, evicted and local (sinks + recent ring);",
+        "then the same shares of the routed history only (local left out)",
         "",
-        "| policy | F (%) | Q (%) | evicted (%) | local (%) |",
-        "|---|---|---|---|---|",
+        "| policy | F (%) | Q (%) | evicted (%) | local (%) | history: F (%) | Q (%) | evicted (%) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for p in policies:
         cells = " | ".join(_cell(by, p, f"mass_{t}", 100, 1) for t in ("F", "Q", "E", "local"))
-        lines.append(f"| {p} | {cells} |")
+        hist = " | ".join(_cell(by, p, f"hist_{t}", 100, 1) for t in ("F", "Q", "E"))
+        lines.append(f"| {p} | {cells} | {hist} |")
     lines += [
         "",
         "Table 16 (transitions): lag-δ tier transition probabilities between routing events (%)",
@@ -142,12 +150,12 @@ def tables(recs: list[dict[str, Any]], windows: dict[str, int], horizon: int, el
         "",
         "Table 18 (promotion): FMM, Q-tier score agreement (Spearman), recovered Q mass, Global LIR, Q→F moves",
         "",
-        "| policy | FMM (%) | QSA | RQ (%) | Global LIR (%) | Q→F transitions |",
-        "|---|---|---|---|---|---|",
+        "| policy | FMM (%) | QSA | RQ (%) | RQ ratio (%) | Global LIR (%) | Q→F transitions |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in policies:
         lines.append(
             f"| {p} | {_cell(by, p, 'fmm', 100, 1)} | {_cell(by, p, 'qsa', 1, 3)} | {_cell(by, p, 'rq', 100, 1)} | "
-            f"{_cell(by, p, 'lir', 100, 1)} | {_cell(by, p, 'q_to_f', 1, 0)} |"
+            f"{_cell(by, p, 'rq_ratio', 100, 1)} | {_cell(by, p, 'lir', 100, 1)} | {_cell(by, p, 'q_to_f', 1, 0)} |"
         )
     return "\n".join(lines)

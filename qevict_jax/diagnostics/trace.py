@@ -45,34 +45,39 @@ class ReferenceTrace:
     """Full-KV attention rows of a batch of sequences (numpy, float32).
 
     prompt_rows: [B, L, T] the summed head-mean rows of the prompt's last ``n_obs`` queries.
+    prompt_all: [B, L, T] the summed head-mean rows of every prompt query (the "cumulative-all" start).
     rows: [B, G, L, T] head-mean row of decode step g's query (position P + g) per layer; T = P + G keys.
     """
 
     prompt_rows: np.ndarray
+    prompt_all: np.ndarray
     rows: np.ndarray
 
 
 def _reference(graphdef, state, tokens, num_steps: int, n_obs: int, kv_dtype, chunk: int):
-    """tokens [B, T] -> (prompt rows [L, B, T], decode rows [L, B, G, T]) of a causal forward."""
+    """tokens [B, T] -> (observation-window prompt rows [L, B, T], every prompt row [L, B, T], decode rows
+    [L, B, G, T]) of a causal forward."""
     model: Transformer = nnx.merge(graphdef, state)
     b, t = tokens.shape
     n = num_steps + n_obs
 
     def attend(q, k, v, layer_cache, ctx: LayerContext):
-        out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, chunk)
+        prompt_q = ctx.positions < t - num_steps
+        out, col = chunked_attention(
+            q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, chunk, q_valid=prompt_q
+        )
         stored = k.astype(kv_dtype).astype(jnp.float32)
         end = jnp.full((b,), t, jnp.int32)
         rows = observation_mass(q.astype(jnp.float32), stored, end, n, ctx.cfg.sliding_window)  # [B, n, T]
-        return out, {"prompt": rows[:, :n_obs].sum(axis=1), "rows": rows[:, n_obs:]}
+        prompt = {"prompt": rows[:, :n_obs].sum(axis=1), "all": col.mean(axis=(1, 2))}
+        return out, {**prompt, "rows": rows[:, n_obs:]}
 
     L = model.cfg.num_layers
-    cache = {
-        "prompt": jnp.zeros((L, b, t), jnp.float32),
-        "rows": jnp.zeros((L, b, num_steps, t), jnp.float32),
-    }
+    zeros = jnp.zeros((L, b, t), jnp.float32)
+    cache = {"prompt": zeros, "all": zeros, "rows": jnp.zeros((L, b, num_steps, t), jnp.float32)}
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     _, cache = model(tokens, positions, cache, attend=attend, logit_index=jnp.zeros((b,), jnp.int32))
-    return cache["prompt"], cache["rows"]
+    return cache["prompt"], cache["all"], cache["rows"]
 
 
 _reference_jit = jax.jit(_reference, static_argnums=(0, 3, 4, 5, 6))
@@ -94,7 +99,7 @@ def reference_trace(
             f"need sequences [B, T] with T > G + n_obs = {num_steps + n_obs}, got {sequences.shape}"
         )
     graphdef, state = nnx.split(model)
-    (prompt, rows), _ = EXECUTABLES.run(
+    (prompt, prompt_all, rows), _ = EXECUTABLES.run(
         _reference_jit,
         {0: graphdef, 3: num_steps, 4: n_obs, 5: kv_dtype, 6: chunk},
         graphdef,
@@ -106,7 +111,9 @@ def reference_trace(
         chunk,
     )
     return ReferenceTrace(
-        prompt_rows=np.asarray(prompt).swapaxes(0, 1), rows=np.asarray(rows).transpose(1, 2, 0, 3)
+        prompt_rows=np.asarray(prompt).swapaxes(0, 1),
+        prompt_all=np.asarray(prompt_all).swapaxes(0, 1),
+        rows=np.asarray(rows).transpose(1, 2, 0, 3),
     )
 
 
@@ -191,7 +198,7 @@ class PolicyTrace:
     tiers: [B, R, L, NW] int8 after each routing event (event 0 = prefill placement; R = G / Ω + 1).
     scores: [B, R, L, NW] f32 cache score after each event (NaN outside F and Q).
     scores_pre: [B, R-1, L, NW] f32 score just before event r + 1 routes.
-    sink, window, omega: the cache's S, W, Ω; nf, nq: its F slots and Q capacity.
+    sink, window, omega: the cache's S, W, Ω; nf, nq: its F slots and Q capacity; ranking: its name.
     """
 
     tiers: np.ndarray
@@ -202,6 +209,7 @@ class PolicyTrace:
     omega: int
     nf: int
     nq: int
+    ranking: str
 
 
 def policy_trace(
@@ -277,6 +285,7 @@ def policy_trace(
         omega=omega,
         nf=caps.nf,
         nq=caps.nq,
+        ranking=ranking.name,
     )
 
 
