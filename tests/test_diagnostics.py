@@ -154,6 +154,16 @@ def test_global_lir_no_eligible_pairs_and_no_promotion():
         M.global_lir(always_f, 0)
 
 
+def test_oracle_tiers_take_the_top_routed_windows():
+    reference = np.array([[[5.0, 1.0, 3.0, 9.0]], [[1.0, 4.0, 3.0, 9.0]]])
+    tiers = np.array([[[Q, E, F, LOCAL]], [[E, Q, F, F]]], np.int8)
+    got = M.oracle_tiers(reference, tiers, nf=2)
+    # event 0: routed windows 0..2, top 2 by mass = 0 and 2; window 3 not routed yet stays local
+    assert got.tolist() == [[[F, E, F, LOCAL]], [[E, F, E, F]]]
+    # the oracle's revival: window 0 out of F at event 1 only (m = 1), never back
+    assert M.global_lir(got, 1)["eligible"] == 3
+
+
 # ---------------------------------------------------------------------------------------------- QSA, RQ
 
 

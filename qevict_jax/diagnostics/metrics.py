@@ -125,6 +125,20 @@ def global_lir(tiers: np.ndarray, eligibility: int = 3) -> dict[str, float]:
     }
 
 
+def oracle_tiers(reference: np.ndarray, tiers: np.ndarray, nf: int) -> np.ndarray:
+    """The tiers of an oracle F policy: at every event, per layer, the ``nf`` routed windows with the most
+    cumulative Full-KV mass (``cumulative_reference``, [R, L, NW]) are in F, every other routed window is out
+    (E); windows the policy has not routed yet (``tiers`` [R, L, NW] == LOCAL) stay LOCAL. Ties: lower window
+    id first. Its ``global_lir`` is the revival rate of the Full-KV ranking itself."""
+    routed = tiers != LOCAL
+    key = np.where(routed, reference, -np.inf)
+    order = np.argsort(-key, axis=-1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(key.shape[-1])[None, None], axis=-1)
+    out = np.where(routed, E, LOCAL).astype(np.int8)
+    return np.where(routed & (rank < nf), F, out).astype(np.int8)
+
+
 def rankdata(x: np.ndarray) -> np.ndarray:
     """Ranks 1..N of x [N], ties given their average rank (as ``scipy.stats.rankdata``)."""
     x = np.asarray(x, np.float64)

@@ -25,6 +25,7 @@ def passage_metrics(
     [3, 3]}}).
 
     Scalars: fmm (mean over uncensored events), churn (mean over event pairs), lir, lir_median_return,
+    lir_oracle (Global LIR of the oracle F policy with the same F slots, ``metrics.oracle_tiers``),
     qsa (mean over events where defined), rq and rq_ratio, mass_F/Q/E/local (tier-mass shares), hist_F/Q/E
     (the same over the routed history only), q_to_f (lag-1 Q->F transitions, summed over layers), and
     ``T{δ}_{a}{b}`` lag-δ transition probabilities. QSA's reference starts from the Full-KV mass of the
@@ -40,7 +41,9 @@ def passage_metrics(
     prompt = window_mass(prompt_rows, trace.sink, trace.window, nw)  # [L, NW]
     fmm = M.future_missed_mass(mass, total, tiers, trace.omega, horizon)
     lir = M.global_lir(tiers, eligibility)
-    qsa = M.qsa(trace.scores[row], M.cumulative_reference(prompt, mass, trace.omega, r_count), tiers)
+    reference = M.cumulative_reference(prompt, mass, trace.omega, r_count)
+    qsa = M.qsa(trace.scores[row], reference, tiers)
+    oracle = M.global_lir(M.oracle_tiers(reference, tiers, trace.nf), eligibility) if trace.nf else None
     rq = M.recovered_q_mass(mass, tiers, trace.scores[row], trace.scores_pre[row], trace.omega)
     shares = M.tier_mass(mass, total, tiers, trace.omega)
     nanmean = lambda x: float(np.nanmean(x)) if np.isfinite(x).any() else float("nan")
@@ -49,6 +52,7 @@ def passage_metrics(
         "churn": float(np.mean(M.selection_churn(tiers))) if r_count > 1 else float("nan"),
         "lir": lir["lir"],
         "lir_median_return": lir["median_return"],
+        "lir_oracle": oracle["lir"] if oracle else float("nan"),
         "qsa": nanmean(qsa),
         "rq": rq["rq"],
         "rq_ratio": rq["rq_ratio"],
@@ -113,13 +117,14 @@ def tables(recs: list[dict[str, Any]], windows: dict[str, int], horizon: int, el
     lines = [
         f"Table 14 (drift): Future Missed Mass (H = {horizon}), selection churn, Global LIR (m = {eligibility})",
         "",
-        "| policy | W | FMM (%) | churn (%) | Global LIR (%) | median return (events) |",
-        "|---|---|---|---|---|---|",
+        "| policy | W | FMM (%) | churn (%) | Global LIR (%) | median return (events) | oracle LIR (%) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in policies:
         lines.append(
             f"| {p} | {windows[p]} | {_cell(by, p, 'fmm', 100, 1)} | {_cell(by, p, 'churn', 100, 1)} | "
-            f"{_cell(by, p, 'lir', 100, 1)} | {_cell(by, p, 'lir_median_return', 1, 1)} |"
+            f"{_cell(by, p, 'lir', 100, 1)} | {_cell(by, p, 'lir_median_return', 1, 1)} | "
+            f"{_cell(by, p, 'lir_oracle', 100, 1)} |"
         )
     lines += [
         "",
