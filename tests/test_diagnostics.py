@@ -16,7 +16,7 @@ from qevict_jax.diagnostics import metrics as M
 from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.diagnostics.report import passage_metrics
 from qevict_jax.diagnostics.run import cmd_diagnose
-from qevict_jax.diagnostics.trace import policy_trace, reference_trace, window_mass
+from qevict_jax.diagnostics.trace import passages, policy_trace, reference_trace, window_mass
 from qevict_jax.eval.testing import ByteTokenizer, tiny_model
 from qevict_jax.methods import make_method
 
@@ -324,6 +324,19 @@ def test_policy_trace_rejects_what_it_cannot_diagnose(tiny, sequences):
         policy_trace(tiny[1], sequences, P, make_method("qevict", 0.6, ranking="decayed", recent=32))
     with pytest.raises(ValueError, match="multiple"):
         policy_trace(tiny[1], sequences[:, :-3], P, make_method("qevict", 0.6, recent=32))
+
+
+def test_passages_from_a_text_and_from_pydoc():
+    tok = ByteTokenizer()
+    enc = lambda s: tok.encode(s, add_bos=False)
+    text = "".join(chr(ord("a") + i % 26) for i in range(100))
+    got = passages(enc, 3, 20, 10, text=text, bos=[0])
+    assert got.shape == (3, 30) and (got[:, 0] == 0).all()
+    assert got[1, 1:].tolist() == enc(text)[29:58]  # consecutive spans after the BOS
+    with pytest.raises(ValueError, match="passages"):
+        passages(enc, 4, 20, 10, text=text)
+    pydoc = passages(enc, 2, 40, 8, seed=3)
+    assert pydoc.shape == (2, 48) and not (pydoc[0] == pydoc[1]).all()
 
 
 # ---------------------------------------------------------------------------------------------- the command

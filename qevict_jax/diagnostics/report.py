@@ -73,11 +73,12 @@ def passage_metrics(
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, int]:
-    """(mean, standard deviation, n) over the finite values (NaN, NaN, 0 when there are none)."""
+    """(mean, standard deviation, n) over the finite values (NaN, NaN, 0 when there are none; the standard
+    deviation is NaN for a single value)."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], np.float64)
     if not len(v):
         return float("nan"), float("nan"), 0
-    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0, len(v)
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else float("nan"), len(v)
 
 
 def records(per_policy: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
@@ -106,7 +107,9 @@ def _cell(recs: dict[tuple[str, str], dict], policy: str, metric: str, scale: fl
     r = recs.get((policy, metric))
     if r is None or r["mean"] is None:
         return "-"
-    return f"{r['mean'] * scale:.{digits}f} ± {(r['spread'] or 0.0) * scale:.{digits}f}"
+    if r["spread"] is None:  # a single passage
+        return f"{r['mean'] * scale:.{digits}f}"
+    return f"{r['mean'] * scale:.{digits}f} ± {r['spread'] * scale:.{digits}f}"
 
 
 def tables(recs: list[dict[str, Any]], windows: dict[str, int], horizon: int, eligibility: int) -> str:
