@@ -45,7 +45,8 @@ class ReferenceTrace:
     """Full-KV attention rows of a batch of sequences (numpy, float32).
 
     prompt_rows: [B, L, T] the summed head-mean rows of the prompt's last ``n_obs`` queries.
-    prompt_all: [B, L, T] the summed head-mean rows of every prompt query (the "cumulative-all" start).
+    prompt_all: [B, L, T] the summed head-mean rows of every prompt query (the "cumulative-all" start; from
+        the forward's own prompt attention, keys not rounded to the storage dtype, as the cache's prefill).
     rows: [B, G, L, T] head-mean row of decode step g's query (position P + g) per layer; T = P + G keys.
     """
 
