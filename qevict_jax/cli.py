@@ -1,4 +1,4 @@
-"""The ``qevict`` command line: convert checkpoints, generate, run needle checks."""
+"""The ``qevict`` command line: convert checkpoints, generate, run needle checks, evaluate, diagnose."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from models.convert import convert
 from models.tokenizer import token_index
 from qevict_jax.cache import SinkRingCache
+from qevict_jax.diagnostics.run import add_diagnose_parser, cmd_diagnose
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
 from qevict_jax.generate import SamplerConfig, generate
 from qevict_jax.methods import available_methods, cache_stats, make_method, options_for, parse_set_options
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON line per sample")
 
     add_eval_parser(sub)
+    add_diagnose_parser(sub)
     sub.add_parser("methods", help="list the available KV-cache methods")
     return parser
 
@@ -251,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "needle": cmd_needle,
         "methods": cmd_methods,
         "eval": cmd_eval,
+        "diagnose": cmd_diagnose,
     }
     try:
         return handler[args.command](args)

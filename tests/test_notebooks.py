@@ -46,3 +46,27 @@ def test_pareto_notebook_executes(tmp_path, monkeypatch):
     assert len(images) == 3  # the pooled plot and one per task
     tables = [o for c in nb.cells for o in c.get("outputs", []) if "text/markdown" in o.get("data", {})]
     assert "| vt | qevict | 0.1 |" in tables[0]["data"]["text/markdown"]
+
+
+DRIFT = Path(__file__).parents[1] / "notebooks" / "attention_drift.ipynb"
+
+
+def test_attention_drift_notebook_executes(tmp_path, monkeypatch):
+    """notebooks/attention_drift.ipynb runs the diagnosis (tiny random model) and draws its three plots."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("QEVICT_DIAGNOSE_MODEL", "tiny")
+    monkeypatch.setenv("QEVICT_DIAGNOSE_FIGURES", str(tmp_path))
+    monkeypatch.delenv("QEVICT_DIAGNOSE_RESULTS", raising=False)
+    nb = nbformat.read(DRIFT, as_version=4)
+    nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(DRIFT.parent)}}
+    ).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "Table 15 (tier mass)" in text
+    assert re.search(r"qevict-nopromo: 0 Q->F transitions", text)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "diagnose_fmm.png",
+        "diagnose_tier_mass.png",
+        "diagnose_transitions.png",
+    ]
