@@ -141,8 +141,10 @@ def gate_params(path: str, model_cfg: ModelConfig) -> GateParams:
         warnings.warn(
             "no gate checkpoint given (option gates=DIR): using untrained gates", UserWarning, stacklevel=2
         )
-        params = init_gates(GateConfig.for_model(model_cfg), jax.random.key(0))
+        with jax.ensure_compile_time_eval():
+            params = init_gates(GateConfig.for_model(model_cfg), jax.random.key(0))
     else:
-        gcfg, params, _ = load_gates(path)
+        with jax.ensure_compile_time_eval():  # called while a method's program is traced: load eagerly
+            gcfg, params, _ = load_gates(path)
         gcfg.check(model_cfg)
     return {k: np.asarray(v, np.float32) for k, v in params.items()}

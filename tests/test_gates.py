@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.attention import dense_attention
+from models.attention import chunked_attention, dense_attention
 from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax import gates as gt
 from qevict_jax import train_gates as tg
+from qevict_jax.cli import build_parser, run_train_gates
+from qevict_jax.eval.testing import ByteTokenizer, tiny_model
+from qevict_jax.gate_methods import GATE_METHODS
+from qevict_jax.generate import SamplerConfig, generate, teacher_forced
+from qevict_jax.methods import make_method
 
 CFG = ModelConfig(
     family="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,
@@ -141,3 +147,140 @@ def test_gates_of_another_model_are_refused(tiny, tmp_path):
     other = dataclasses.replace(CFG, num_kv_heads=3, num_heads=6)
     with pytest.raises(ValueError, match="trained for"):
         gt.gate_params(str(tmp_path / "g"), other)
+
+
+# ---------------------------------------------------------------------------------------------- the methods
+
+PROMPT = 300
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    """A gate folder trained briefly with a small M (varied retention) for the tiny model."""
+    model, ids = tiny
+    out = tmp_path_factory.mktemp("gates") / "g"
+    _run(model, ids, dataclasses.replace(TCFG, memory=4.0, steps=15), out)
+    return str(out)
+
+
+def hidden_states(model, tokens: np.ndarray) -> np.ndarray:
+    """Every layer's normed attention input [L, B, T, Dm] of a plain causal pass over tokens [B, T]."""
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def attend(q, k, v, cache, ctx):
+        out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window)
+        return out, ctx.hidden
+
+    zeros = jnp.zeros((model.cfg.num_layers, b, t, model.cfg.hidden_size), jnp.float32)
+    return np.asarray(model(jnp.asarray(tokens), pos, zeros, attend)[1])
+
+
+def all_log_beta(model, path: str, tokens: list[int]) -> np.ndarray:
+    """log beta [L, T, Hkv] of every layer's tokens."""
+    hs = hidden_states(model, np.asarray([tokens]))
+    params = gt.gate_params(path, model.cfg)
+    return np.stack([np.asarray(gt.log_beta(params, layer, hs[layer]))[0] for layer in range(len(hs))])
+
+
+def test_gate_pool_keeps_each_heads_top_retention_tokens(tiny, trained):
+    model, ids = tiny
+    prompt = [int(i) for i in ids[:PROMPT]]
+    lb = all_log_beta(model, trained, prompt)
+    for name in ("gates", "gates-global"):
+        res = generate(
+            model, [prompt], SamplerConfig(max_new_tokens=1), make_method(name, 0.3, gates=trained)
+        )
+        caps, cache = res.cache.caps, res.cache
+        score = (PROMPT - np.arange(PROMPT))[None, :, None] * lb  # [L, T, Hkv]
+        eligible = np.arange(PROMPT) < PROMPT - caps.recent
+        hkv = CFG.num_kv_heads
+        for layer in range(CFG.num_layers):
+            pos = np.asarray(cache.hp_pos[layer, 0])
+            head = np.asarray(cache.hp_head[layer, 0])
+            s = np.where(eligible[:, None], score[layer], -np.inf)
+            if name == "gates":
+                for h in range(hkv):
+                    want = set(np.argsort(-s[:, h])[: caps.pool_per_head])
+                    assert set(pos[(head == h) & (pos >= 0)]) == want
+            else:  # one ranking over the layer's heads
+                flat = np.argsort(-s.T.reshape(-1))[: hkv * caps.pool_per_head]
+                want = {(int(f // PROMPT), int(f % PROMPT)) for f in flat}
+                assert {(int(h), int(p)) for h, p in zip(head, pos, strict=True) if p >= 0} == want
+        if name == "gates-global":  # the heads' shares differ: the allocation is global
+            counts = np.bincount(np.asarray(cache.hp_head[0, 0])[np.asarray(cache.hp_pos[0, 0]) >= 0])
+            assert counts.min() != counts.max()
+
+
+def window_keys(lb: np.ndarray, sink: int, window: int, n: int) -> np.ndarray:
+    """Key of each window (max over its tokens of the head-mean log beta): lb [L, T, Hkv] -> [L, NW]."""
+    m = lb.mean(-1)[:, sink : sink + n * window]
+    return m.reshape(m.shape[0], n, window).max(-1)
+
+
+def test_qevict_gates_ranks_prompt_windows_by_retention(tiny, trained):
+    model, ids = tiny
+    prompt = [int(i) for i in ids[:PROMPT]]
+    method = make_method("qevict-gates", 0.4, gates=trained, recent=16)
+    res = generate(model, [prompt], SamplerConfig(max_new_tokens=1), method)
+    cache, caps = res.cache, res.cache.caps
+    s, w = caps.sink, caps.window
+    routed = (PROMPT - s - caps.recent) // w
+    keys = window_keys(all_log_beta(model, trained, prompt), s, w, routed)
+    age = PROMPT - (s + np.arange(routed) * w + (w - 1) / 2)
+    assert 0 < caps.nf < routed
+    for layer in range(CFG.num_layers):
+        order = np.argsort(-(age * keys[layer]), kind="stable")
+        fp = np.asarray(cache.fp_win[layer, 0])
+        assert set(fp[fp >= 0]) == set(order[: caps.nf])
+        np.testing.assert_allclose(
+            np.asarray(cache.fp_score[layer, 0])[fp >= 0], keys[layer][fp[fp >= 0]], rtol=1e-4
+        )
+        led, act = np.asarray(cache.led_win[layer, 0]), np.asarray(cache.led_active[layer, 0])
+        assert set(led[act]) == set(order[caps.nf : caps.nf + caps.nq])
+
+
+def test_qevict_gates_keys_survive_decoding_and_routing(tiny, trained):
+    """After decode steps with routing events, every resident window's stored key is still the max head-mean
+    log beta of its tokens: every window of layer 0 (whose input, the embedding, a full pass reproduces) and
+    the prompt's windows of every layer (decoded tokens' deeper inputs depend on the compressed cache)."""
+    model, ids = tiny
+    prompt = [int(i) for i in ids[:PROMPT]]
+    method = make_method("qevict-gates", 0.4, gates=trained, recent=16, omega=4)
+    res = generate(model, [prompt], SamplerConfig(max_new_tokens=40), method)
+    cache, caps = res.cache, res.cache.caps
+    n = int(cache.length[0, 0])
+    seq = (prompt + [int(t) for t in res.tokens[0]])[:n]
+    s, w = caps.sink, caps.window
+    keys = window_keys(all_log_beta(model, trained, seq), s, w, (n - s) // w)
+    assert int(cache.routing_events[0, 0]) >= 5 and int(np.asarray(cache.next_win[0, 0])) * w > PROMPT - s
+    for layer in range(CFG.num_layers):
+        for win, score in ((cache.fp_win, cache.fp_score), (cache.led_win, cache.led_score)):
+            wl, sl = np.asarray(win[layer, 0]), np.asarray(score[layer, 0])
+            ok = (wl >= 0) & ((layer == 0) | (s + (wl + 1) * w <= PROMPT))
+            np.testing.assert_allclose(sl[ok], keys[layer][wl[ok]], rtol=1e-4, atol=1e-6)
+
+
+def test_gate_methods_with_room_for_everything_equal_full_kv(tiny, trained):
+    model, ids = tiny
+    prompt = [int(i) for i in ids[:PROMPT]]
+    targets = np.asarray(ids[PROMPT : PROMPT + 6])[None]
+    ref = teacher_forced(model, [prompt], targets).logprobs
+    for name in GATE_METHODS:
+        got = teacher_forced(model, [prompt], targets, make_method(name, 3.0, gates=trained)).logprobs
+        np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+def test_train_gates_cli_trains_resumes_and_plots(tmp_path):
+    _, model = tiny_model(seed=0)
+    text = tmp_path / "prose.txt"
+    text.write_text(" ".join(f"word{i % 37} and more prose." for i in range(300)))
+    argv = ["train-gates", "--text", str(text), "--memory", "8", "--seq-len", "32", "--batch", "1"]
+    argv += ["--out", str(tmp_path / "g"), "--save-every", "2", "--warmup", "1"]
+    first = run_train_gates(build_parser().parse_args([*argv, "--steps", "3"]), model, ByteTokenizer())
+    again = run_train_gates(build_parser().parse_args([*argv, "--steps", "4"]), model, ByteTokenizer())
+    assert (first["steps_run"], again["steps_run"], again["steps_total"]) == (3, 1, 4)
+    assert again["tokens"] == 32
+    assert gt.load_gates(tmp_path / "g")[2] == 4
+    assert (tmp_path / "g" / tg.CURVE_FILE).is_file()
+    assert [h["step"] for h in json.loads((tmp_path / "g" / tg.HISTORY_FILE).read_text())] == [1, 2, 3, 4]
