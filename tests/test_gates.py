@@ -284,3 +284,12 @@ def test_train_gates_cli_trains_resumes_and_plots(tmp_path):
     assert gt.load_gates(tmp_path / "g")[2] == 4
     assert (tmp_path / "g" / tg.CURVE_FILE).is_file()
     assert [h["step"] for h in json.loads((tmp_path / "g" / tg.HISTORY_FILE).read_text())] == [1, 2, 3, 4]
+
+
+def test_gates_ranking_without_gates_is_a_clear_error(tiny):
+    model, ids = tiny
+    method = make_method("qevict", 0.4, ranking="gates", recent=16)
+    with pytest.raises(ValueError, match="qevict-gates"):
+        generate(model, [[int(i) for i in ids[:PROMPT]]], SamplerConfig(max_new_tokens=1), method)
+    with pytest.raises(ValueError, match="has no option 'gates'"):
+        make_method("qevict", 0.2, gates="some/dir")
