@@ -60,12 +60,17 @@ def dense_attention(
     q_pos: jax.Array,
     k_pos: jax.Array,
     sliding_window: int | None = None,
+    logit_bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D].
 
+    logit_bias: added to the scaled logits before masking, broadcast against [B, Hkv, G, Tq, Tk] (the
+    retention gates' ``(t - i) log beta_i`` is [B, Hkv, 1, Tq, Tk]), or None.
     Returns (out [B, Tq, H, D], probs [B, Hkv, G, Tq, Tk] in float32).
     """
     logits = grouped_scores(q, k)
+    if logit_bias is not None:
+        logits = logits + logit_bias
     mask = attention_mask(q_pos, k_pos, sliding_window)[:, None, None]
     logits = jnp.where(mask, logits, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1)

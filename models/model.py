@@ -33,6 +33,8 @@ class LayerContext:
     wo: [H*D, Dm] the layer's output projection (value-aware scoring: CriticalKV, ReST-KV), or None.
     prompt_attention: (out [B, T, H, D], column mass [B, Hkv, G, T]) of the prompt pass when a shared
         prefill already computed it (several methods' caches from one pass), else None.
+    hidden: [B, T, Dm] the layer's normed attention input (what q, k, v are projected from), for methods
+        that score tokens from it (learned retention gates, ``qevict_jax.gates``), or None.
     """
 
     positions: jax.Array
@@ -41,6 +43,7 @@ class LayerContext:
     cfg: ModelConfig
     wo: jax.Array | None = None
     prompt_attention: tuple[jax.Array, jax.Array] | None = None
+    hidden: jax.Array | None = None
 
 
 # (q [B,T,H,D] post-RoPE, k [B,T,Hkv,D] post-RoPE, v [B,T,Hkv,D], layer_cache, ctx) -> (out [B,T,H,D], cache)
@@ -177,7 +180,7 @@ class Transformer(nnx.Module):
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, ctx.positions, ctx.inv_freq)
         k = apply_rope(k, ctx.positions, ctx.inv_freq)
-        attn, layer_cache = attend(q, k, v, layer_cache, dataclasses.replace(ctx, wo=p["wo"]))
+        attn, layer_cache = attend(q, k, v, layer_cache, dataclasses.replace(ctx, wo=p["wo"], hidden=h))
         x = x + attn.reshape(b, t, -1).astype(x.dtype) @ p["wo"]
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]

@@ -1,7 +1,8 @@
 """The registry of KV methods the CLI, the evaluation and the tests read, and their options.
 
-Full-KV (``qevict_jax.kv``), QEvict and its variants (``qevict_jax.qevict``) and every baseline
-(``qevict_jax.baselines``); ``make_method(name, budget, **options)`` is the one way to build one.
+Full-KV (``qevict_jax.kv``), QEvict and its variants (``qevict_jax.qevict``), every baseline
+(``qevict_jax.baselines``) and the learned-gate methods (``qevict_jax.gate_methods``);
+``make_method(name, budget, **options)`` is the one way to build one.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import numpy as np
 from qevict_jax.baselines import BASELINES
 from qevict_jax.cache import SinkRingCache, TieredCache
 from qevict_jax.config import CacheConfig
+from qevict_jax.gate_methods import GATE_METHODS
 from qevict_jax.kv import FullKV, KVMethod
 from qevict_jax.qevict import VARIANTS, QEvict
 
 
 def available_methods() -> list[str]:
-    """Names accepted by ``make_method``: Full-KV, QEvict and its variants, every baseline."""
-    return ["full", *VARIANTS, *BASELINES]
+    """Names accepted by ``make_method``: Full-KV, QEvict and its variants, every baseline, the gates."""
+    return ["full", *VARIANTS, *BASELINES, *GATE_METHODS]
 
 
 def default_method(name: str) -> KVMethod:
@@ -31,6 +33,8 @@ def default_method(name: str) -> KVMethod:
         return QEvict(name=name, cache=CacheConfig(**VARIANTS[name]))
     if name in BASELINES:
         return BASELINES[name]
+    if name in GATE_METHODS:
+        return GATE_METHODS[name]
     raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
 
 

@@ -12,13 +12,13 @@ queries, as SnapKV and the paper's prompt attention do; the default), "cumulativ
 *every* prompt query, H2O-style: an ablation), "decayed" (score <- decay * score + mass), "pnorm" (sum of
 mass^p; rank-equivalent to the p-norm of the window's mass over queries), "restkv" (ReST-KV output-change
 score at prefill, then cumulative), "keynorm" (minus the mean key norm: low key norm = important;
-independent of attention).
+independent of attention), "gates" (learned retention gates, ``GateRanking``; independent of attention).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -214,9 +214,70 @@ class RestKVRanking(Ranking):
         return jnp.where(early, rest_w * scale, obs_w)
 
 
+GATE_FLOOR = -1e9
+"""log beta of a token past a row's length (padding): below every real one."""
+
+
+def window_centers(win: jax.Array, sink: int, window: int) -> jax.Array:
+    """Centre position [...] f32 of window ids win [...] (window w = positions [S + wW, S + (w+1)W))."""
+    return sink + win.astype(jnp.float32) * window + (window - 1) / 2
+
+
+def window_ages(win: jax.Array, length: jax.Array, sink: int, window: int) -> jax.Array:
+    """Age ``max(t - centre, 1)`` [..., N] f32 of windows win [..., N] at time t = length [...]."""
+    return jnp.maximum(length[..., None].astype(jnp.float32) - window_centers(win, sink, window), 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateRanking(Ranking):
+    """Learned retention gates (TRIM-KV, arXiv 2512.03324; ``qevict_jax.gates``): no attention at all.
+
+    A token's retention at time t is ``beta^(t - pos)``; a window's *key* is the largest, over its tokens,
+    of the head-mean log beta (a window is worth its best token; the tiers are shared by the KV heads), and
+    its score at time t is ``(t - centre) * key`` (the log retention of that token, with the window's centre
+    for its position: exact up to W/2 positions of age). The scores in the cache hold the keys, which do
+    not change with t (``update`` adds nothing); the method (``gate_methods.GateQEvict``) turns them into
+    scores at the current t around a routing event and max-accumulates a new token's log beta into its ring
+    window. ``log_beta`` [B, T]: the prompt's head-mean log beta per token (``GATE_FLOOR`` past a row's
+    length), set by the method inside the traced prefill; None elsewhere.
+    """
+
+    log_beta: Any = dataclasses.field(default=None, compare=False, hash=False)
+    name: ClassVar[str] = "gates"
+
+    def update(self, score, mass):
+        return score
+
+    def prefill_window_scores(
+        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
+    ):
+        if self.log_beta is None:
+            raise ValueError("the gates ranking needs learned gates: use the method qevict-gates (gates=DIR)")
+        keys = window_max(self.log_beta, sink, window, num_windows)  # [B, NW]
+        wins = jnp.arange(num_windows, dtype=jnp.int32)[None]
+        return window_ages(wins, lengths, sink, window) * keys
+
+
+def window_max(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:
+    """Max of per-token values x [B, T] over each window -> [B, NW] (``GATE_FLOOR`` where a window is past T)."""
+    body = x[:, sink:]
+    need = num_windows * window
+    t = body.shape[1]
+    body = jnp.pad(body, ((0, 0), (0, max(0, need - t))), constant_values=GATE_FLOOR)[:, :need]
+    return body.reshape(x.shape[0], num_windows, window).max(-1)
+
+
 RANKINGS: dict[str, type[Ranking]] = {
     cls.name: cls
-    for cls in (Ranking, CumulativeAllRanking, DecayedRanking, PNormRanking, KeyNormRanking, RestKVRanking)
+    for cls in (
+        Ranking,
+        CumulativeAllRanking,
+        DecayedRanking,
+        PNormRanking,
+        KeyNormRanking,
+        RestKVRanking,
+        GateRanking,
+    )
 }
 """The rankings by name (``CacheConfig.ranking``, ``--set ranking=NAME``)."""
 

@@ -103,6 +103,8 @@ def _sample_value(method, option: str):
         return not current
     if option == "ranking":
         return "cumulative-all"
+    if option == "gates":  # a gate checkpoint folder (read when the method runs, not when it is built)
+        return "some/gates"
     if option == "kernel" and current is None:
         return False
     if option == "q_frac" and method.cache.window % 4:

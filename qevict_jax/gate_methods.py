@@ -1,0 +1,158 @@
+"""KV methods over learned retention gates (TRIM-KV, arXiv 2512.03324; ``qevict_jax.gates``).
+
+- "gates": a per-KV-head token pool (``pool``), compressed once after the prompt: every head keeps its top
+  tokens by ``(t - pos_i) log beta_i`` at the prompt end t (as SnapKV keeps its top attention scores).
+- "gates-global": the same scores, one ranking over all KV heads of a layer (the layer's ``Hkv * C`` slots
+  go to the best (head, token) pairs, Ada-KV's allocation without its per-head safeguard). One ranking over
+  *layers* too, as TRIM-KV allows, does not fit the pool layout: the decoder scans over layers and every
+  layer's cache slice has the same static shape, so a layer cannot hold more slots than another.
+- "qevict-gates": QEvict's three tiers ranked by the gates (``scoring.GateRanking``) instead of attention:
+  the prompt's windows need no observation-window attention, and decode steps add no attention mass.
+
+Every one takes the option ``gates``: a gate checkpoint folder written by ``qevict train-gates`` (the
+latest step is read once per folder and model and becomes a constant of the compiled program), or
+"untrained" for untrained gates, which keep every token alike and so rank by age only (smoke tests); none
+given is a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from models.model import LayerContext
+from qevict_jax.baselines import PoolMethod
+from qevict_jax.cache import TieredCache
+from qevict_jax.config import CacheConfig
+from qevict_jax.gates import gate_params, log_beta, token_scores
+from qevict_jax.qevict import QEVICT_OPTIONS, QEvict
+from qevict_jax.scoring import GATE_FLOOR, GateRanking, window_ages
+from qevict_jax.window import prefill_layer
+
+
+def layer_log_beta(path: str, ctx: LayerContext) -> jax.Array:
+    """log beta [B, T, Hkv] of the current layer's tokens (``ctx.hidden`` [B, T, Dm])."""
+    if ctx.hidden is None:
+        raise ValueError("learned gates need the layer's input (LayerContext.hidden)")
+    return log_beta(gate_params(path, ctx.cfg), ctx.layer, ctx.hidden)
+
+
+# ---------------------------------------------------------------------------------------------- token pool
+
+
+@dataclasses.dataclass(frozen=True)
+class GatePool(PoolMethod):
+    """TRIM-KV's inference rule over the token pool: each KV head keeps its top ``(t - pos) log beta``
+    tokens, once after the prompt (t = the prompt end), plus the recent region. ``gates``: the gate folder.
+    """
+
+    name: str = "gates"
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
+    gates: str = ""
+    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "gates")
+    protects_recent: ClassVar[bool] = True
+
+    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        return token_scores(layer_log_beta(self.gates, ctx), positions, end)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatePoolGlobal(GatePool):
+    """``GatePool`` with one ranking over every KV head of a layer (head-adaptive allocation, no
+    safeguard): a head whose tokens have high retention gets more of the layer's slots."""
+
+    name: str = "gates-global"
+    adaptive: ClassVar[bool] = True
+    alpha_safeguard: ClassVar[float] = 0.0
+
+
+# ---------------------------------------------------------------------------------------------- QEvict
+
+
+def ring_window_ids(next_win: jax.Array, ring_windows: int) -> jax.Array:
+    """Window id [..., RW] held by each ring window slot (window w -> slot w % RW, ids >= next_win [...])."""
+    slots = jnp.arange(ring_windows, dtype=jnp.int32)
+    return next_win[..., None] + jnp.mod(slots - next_win[..., None], ring_windows)
+
+
+def _rescale(cache: TieredCache, to_scores: bool) -> TieredCache:
+    caps = cache.caps
+    age = lambda win: window_ages(win, cache.length, caps.sink, caps.window)
+    ring = ring_window_ids(cache.next_win, caps.ring_windows)
+    f = (lambda x, a: x * a) if to_scores else (lambda x, a: x / a)
+    return cache.replace(
+        fp_score=f(cache.fp_score, age(cache.fp_win)),
+        ledger=cache.ledger.replace(score=f(cache.ledger.score, age(cache.ledger.win))),
+        loc_score=f(cache.loc_score, age(ring)),
+    )
+
+
+def keys_to_scores(cache: TieredCache) -> TieredCache:
+    """Window keys (max log beta) -> scores ``(t - centre) * key`` at t = length, every tier (any leading
+    axes: one layer's slice or the stacked cache)."""
+    return _rescale(cache, True)
+
+
+def scores_to_keys(cache: TieredCache) -> TieredCache:
+    """Inverse of ``keys_to_scores`` (same t: windows keep their ids, so each score meets its own age)."""
+    return _rescale(cache, False)
+
+
+GATE_QEVICT_OPTIONS = (
+    *(o for o in QEVICT_OPTIONS if o not in ("ranking", "n_obs", "pool", "decay", "p")),
+    "gates",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateQEvict(QEvict):
+    """QEvict ranked by learned retention gates (``scoring.GateRanking``).
+
+    The scores in the cache are window keys (the largest head-mean log beta of the window's tokens); a
+    routing event ranks ``(t - centre) * key`` at its time t. Prefill: keys from the prompt's hidden states,
+    no observation-window attention. Decode: a new token's log beta is max-accumulated into its ring window
+    (no attention mass is added). ``gates``: the gate folder.
+    """
+
+    name: str = "qevict-gates"
+    cache: CacheConfig = CacheConfig(ranking="gates")
+    gates: str = ""
+    options: ClassVar[tuple[str, ...]] = GATE_QEVICT_OPTIONS
+
+    @property
+    def ranking(self) -> GateRanking:
+        return GateRanking()
+
+    def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
+        """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
+        lb = layer_log_beta(self.gates, ctx).mean(axis=-1)  # [B, T] head mean
+        lb = jnp.where(ctx.positions < layer_cache.length[:, None], lb, GATE_FLOOR)
+        ranking = GateRanking(log_beta=lb)
+        out, cache = prefill_layer(
+            q, k, v, layer_cache, ctx, ranking, self.cache.promotion, self.cache.prefill_chunk
+        )
+        return out, scores_to_keys(cache)
+
+    def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
+        """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
+        out, cache = super().decode_attend(q, k, v, layer_cache, ctx)
+        caps = cache.caps
+        s, w = caps.sink, caps.window
+        lb = layer_log_beta(self.gates, ctx)[:, 0].mean(axis=-1)[:, None]  # [B, 1]
+        pos = ctx.positions[:, 0]
+        slot = jnp.mod(jnp.floor_divide(pos - s, w), caps.ring_windows)
+        here = (jnp.arange(caps.ring_windows)[None] == slot[:, None]) & (pos >= s)[:, None]  # [B, RW]
+        first = here & (jnp.mod(pos - s, w) == 0)[:, None]
+        loc = jnp.where(here, jnp.maximum(cache.loc_score, lb), cache.loc_score)
+        return out, cache.replace(loc_score=jnp.where(first, lb, loc))
+
+    def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+        """A routing event at t = length: keys -> scores, QEvict's routing, scores -> keys."""
+        return scores_to_keys(super().route(keys_to_scores(cache), inv_freq))
+
+
+GATE_METHODS = {"gates": GatePool(), "gates-global": GatePoolGlobal(), "qevict-gates": GateQEvict()}
+"""Default instance of every gate method (``make_method`` sets β and ``gates``)."""
