@@ -37,7 +37,8 @@ def chunk_capacity(n: int) -> int:
 
 
 class ExecutableCache:
-    """Ahead-of-time compiled executables, keyed by function, static arguments and dynamic shapes/dtypes.
+    """Ahead-of-time compiled executables, keyed by function, static arguments and dynamic shapes, dtypes
+    and shardings.
 
     Compiling ahead of time keeps compilation out of the measured time to first token. The cache keeps the
     ``capacity`` most recently used executables: each XLA CPU executable holds its machine code in memory
@@ -64,7 +65,9 @@ class ExecutableCache:
         """Call ``jitted(*args)`` through a cached executable; returns (outputs, seconds spent compiling)."""
         dynamic = [a for i, a in enumerate(args) if i not in static]
         leaves, treedef = jax.tree.flatten(dynamic)
-        key = (jitted, tuple(sorted(static.items())), treedef, tuple((x.shape, x.dtype) for x in leaves))
+        # an executable is compiled for its inputs' shardings too (one device, or a mesh's NamedShardings)
+        layout = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+        key = (jitted, tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef, layout)
         compile_s = 0.0
         if key in self._executables:
             self._executables.move_to_end(key)
