@@ -54,12 +54,20 @@ class ExecutableCache:
         self.capacity = capacity
         self._executables: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         self.compilations: collections.Counter[str] = collections.Counter()
+        self._latest: dict[Any, Any] = {}
 
     def __len__(self) -> int:
         return len(self._executables)
 
     def clear(self) -> None:
         self._executables.clear()
+        self._latest.clear()
+
+    def latest(self, name: str) -> Any:
+        """The compiled executable that the function named ``name`` (as in ``compilations``: "_prefill",
+        "_decode", ...) ran through last, or None; its ``memory_analysis()`` gives XLA's buffer sizes."""
+        key = self._latest.get(name)
+        return self._executables.get(key) if key is not None else None
 
     def run(self, jitted, static: dict[int, Any], *args) -> tuple[Any, float]:
         """Call ``jitted(*args)`` through a cached executable; returns (outputs, seconds spent compiling)."""
@@ -78,6 +86,7 @@ class ExecutableCache:
             self.compilations[getattr(jitted, "__name__", repr(jitted))] += 1
             while len(self._executables) > self.capacity:
                 self._executables.popitem(last=False)
+        self._latest[getattr(jitted, "__name__", repr(jitted))] = key
         return self._executables[key](*dynamic), compile_s
 
 
