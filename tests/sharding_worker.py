@@ -25,6 +25,7 @@ from flax import nnx  # noqa: E402
 
 from models.config import ModelConfig  # noqa: E402
 from models.model import Transformer  # noqa: E402
+from pallas_kernels.dispatch import use_cpu_kernel  # noqa: E402
 from qevict_jax.generate import generate  # noqa: E402
 from qevict_jax.methods import cache_stats, make_method  # noqa: E402
 from qevict_jax.sampling import SamplerConfig  # noqa: E402
@@ -88,7 +89,7 @@ def main() -> None:
     rs = np.random.RandomState(0)
     prompts = [rs.randint(0, TINY.vocab_size, n).tolist() for n in (200, 150, 230, 180)]
     sampler = SamplerConfig(max_new_tokens=48)
-    report: dict = {"devices": len(jax.devices()), "runs": {}, "errors": {}}
+    report: dict = {"devices": len(jax.devices()), "cpu_kernel": use_cpu_kernel(), "runs": {}, "errors": {}}
     for name, method in METHODS.items():
         for mesh_shape in [None, *MESHES]:
             key = f"{name}/{'single' if mesh_shape is None else 'x'.join(map(str, mesh_shape))}"

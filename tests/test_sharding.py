@@ -21,6 +21,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.model import Transformer
+from pallas_kernels.dispatch import use_cpu_kernel
 from qevict_jax import generate as gen
 from qevict_jax.generate import generate
 from qevict_jax.kv import FullCache
@@ -66,7 +67,10 @@ def model() -> Transformer:
 
 
 def test_worker_saw_eight_devices(sharded):
+    """8 devices; QEvict's Q tier ran through the CPU ledger kernel there whenever it builds here (the FFI
+    kernel once deadlocked when 8 devices shared its thread pool)."""
     assert sharded["devices"] == 8
+    assert sharded["cpu_kernel"] == use_cpu_kernel()
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -344,7 +344,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
       }
     }
   };
-  for (int64_t i = 1; i < n; ++i) pool.Schedule(run);
+  for (int64_t i = 1; i < n; ++i) pool.Schedule([run] { run(); });  // an rvalue: Schedule moves it
   run();
   std::unique_lock<std::mutex> lock(st->mu);
   st->cv.wait(lock, [&] { return st->done.load() == n; });
