@@ -4,6 +4,7 @@ The device count is fixed when JAX's backend starts, and the test suite's proces
 with one device, so this script sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before it imports
 JAX. It generates with Full-KV and QEvict (a budget where routing evicts, demotes and promotes; four prompts
 of different lengths in one batch) on one device and on meshes (data, model) = (2, 2), (1, 4), (2, 4), and
+then appends a second turn to QEvict's cache on one device and on (2, 4), and
 prints one JSON object: per method and mesh the tokens, cache bytes, memory ratio, routing counters and, per
 cache leaf, its PartitionSpec and the shape of one device's shard; plus the messages of the errors a batch or
 a model that does not divide over the mesh raises.
@@ -94,6 +95,17 @@ def main() -> None:
         for mesh_shape in [None, *MESHES]:
             key = f"{name}/{'single' if mesh_shape is None else 'x'.join(map(str, mesh_shape))}"
             report["runs"][key] = run(model, prompts, sampler, method, mesh_shape)
+    # a second turn appended to the compressed cache (the jitted append, then decoding) on a 2 x 4 mesh
+    turns = [rs.randint(0, TINY.vocab_size, n).tolist() for n in (20, 35, 12, 27)]
+    for mesh_shape in (None, (2, 4)):
+        mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
+        first = generate(model, prompts, sampler, METHODS["qevict"], mesh=mesh, kv_dtype=jnp.float32)
+        second = generate(model, turns, SamplerConfig(max_new_tokens=16), past=first, mesh=mesh)
+        report["runs"][f"qevict-turn2/{'single' if mesh is None else '2x4'}"] = {
+            "tokens": second.tokens,
+            "cache_bytes": second.cache_bytes,
+            "memory_ratio": second.memory_ratio,
+        }
     try:
         generate(model, prompts[:3], sampler, METHODS["full"], mesh=make_mesh(2, 2))
     except ValueError as e:

@@ -85,6 +85,13 @@ def test_sharded_generation_equals_one_device(sharded, name, mesh):
         assert many[counter] == one[counter], counter
 
 
+def test_sharded_second_turn_equals_one_device(sharded):
+    """A new turn appended to QEvict's compressed cache (jitted append + routing event + decode) on 2 x 4."""
+    one, many = sharded["runs"]["qevict-turn2/single"], sharded["runs"]["qevict-turn2/2x4"]
+    assert many == one
+    assert all(len(t) == 16 for t in one["tokens"])
+
+
 def test_qevict_run_routes_and_rows_differ_in_length(sharded):
     """The QEvict runs compared above really route (decode events, evictions, tier moves) on a ragged batch."""
     run = sharded["runs"]["qevict/single"]
