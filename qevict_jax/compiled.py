@@ -37,7 +37,8 @@ def chunk_capacity(n: int) -> int:
 
 
 class ExecutableCache:
-    """Ahead-of-time compiled executables, keyed by function, static arguments and dynamic shapes/dtypes.
+    """Ahead-of-time compiled executables, keyed by function, static arguments and dynamic shapes, dtypes
+    and shardings.
 
     Compiling ahead of time keeps compilation out of the measured time to first token. The cache keeps the
     ``capacity`` most recently used executables: each XLA CPU executable holds its machine code in memory
@@ -53,18 +54,28 @@ class ExecutableCache:
         self.capacity = capacity
         self._executables: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         self.compilations: collections.Counter[str] = collections.Counter()
+        self._latest: dict[Any, Any] = {}
 
     def __len__(self) -> int:
         return len(self._executables)
 
     def clear(self) -> None:
         self._executables.clear()
+        self._latest.clear()
+
+    def latest(self, name: str) -> Any:
+        """The compiled executable that the function named ``name`` (as in ``compilations``: "_prefill",
+        "_decode", ...) ran through last, or None; its ``memory_analysis()`` gives XLA's buffer sizes."""
+        key = self._latest.get(name)
+        return self._executables.get(key) if key is not None else None
 
     def run(self, jitted, static: dict[int, Any], *args) -> tuple[Any, float]:
         """Call ``jitted(*args)`` through a cached executable; returns (outputs, seconds spent compiling)."""
         dynamic = [a for i, a in enumerate(args) if i not in static]
         leaves, treedef = jax.tree.flatten(dynamic)
-        key = (jitted, tuple(sorted(static.items())), treedef, tuple((x.shape, x.dtype) for x in leaves))
+        # an executable is compiled for its inputs' shardings too (one device, or a mesh's NamedShardings)
+        layout = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+        key = (jitted, tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef, layout)
         compile_s = 0.0
         if key in self._executables:
             self._executables.move_to_end(key)
@@ -75,6 +86,7 @@ class ExecutableCache:
             self.compilations[getattr(jitted, "__name__", repr(jitted))] += 1
             while len(self._executables) > self.capacity:
                 self._executables.popitem(last=False)
+        self._latest[getattr(jitted, "__name__", repr(jitted))] = key
         return self._executables[key](*dynamic), compile_s
 
 

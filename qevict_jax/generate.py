@@ -21,18 +21,38 @@ from models.model import Transformer
 from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length, chunk_capacity
 from qevict_jax.kv import FullKV, KVMethod, cache_nbytes, full_kv_bytes
 from qevict_jax.sampling import SamplerConfig, sample
+from qevict_jax.sharding import (
+    Mesh,
+    check_batch,
+    constrain_cache,
+    constrain_rows,
+    place_replicated,
+    place_rows,
+    shard_state,
+)
 
 
 def _prefill_logits(
-    model: Transformer, tokens, lengths, method: KVMethod, max_new_tokens: int, budget_tokens: int, kv_dtype
+    model: Transformer,
+    tokens,
+    lengths,
+    method: KVMethod,
+    max_new_tokens: int,
+    budget_tokens: int,
+    kv_dtype,
+    mesh: Mesh | None = None,
 ):
     """tokens [B, P] right-padded, lengths [B] -> (logits at each row's last prompt token [B, V], cache).
 
-    The cache is sized for ``max_new_tokens`` more tokens per row and stores K/V in ``kv_dtype``."""
+    The cache is sized for ``max_new_tokens`` more tokens per row and stores K/V in ``kv_dtype``; on a
+    ``mesh`` it is constrained to its sharding (``sharding.cache_shardings``) before and after the layer scan.
+    """
     b, p = tokens.shape
     cache = method.init_cache(model.cfg, lengths, p, max_new_tokens, kv_dtype, budget_tokens)
+    cache = constrain_cache(cache, mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    return model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
+    logits, cache = model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
+    return logits, constrain_cache(cache, mesh)
 
 
 def _prefill(
@@ -46,10 +66,13 @@ def _prefill(
     budget_tokens: int,
     capacity_new: int,
     kv_dtype,
+    mesh: Mesh | None = None,
 ):
     """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache with room for ``capacity_new``)."""
     model: Transformer = nnx.merge(graphdef, state)
-    logits, cache = _prefill_logits(model, tokens, lengths, method, capacity_new, budget_tokens, kv_dtype)
+    logits, cache = _prefill_logits(
+        model, tokens, lengths, method, capacity_new, budget_tokens, kv_dtype, mesh
+    )
     return sample(logits, rng, sampler), cache
 
 
@@ -62,7 +85,18 @@ def _select_rows(active: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(pick, new, old)
 
 
-def _append(graphdef, state, cache, tokens, start, count, rng, method: KVMethod, sampler: SamplerConfig):
+def _append(
+    graphdef,
+    state,
+    cache,
+    tokens,
+    start,
+    count,
+    rng,
+    method: KVMethod,
+    sampler: SamplerConfig,
+    mesh: Mesh | None = None,
+):
     """Append a chunk of tokens to a (compressed) cache, then run one routing event (DESIGN §5).
 
     tokens [B, Q] right-padded: row b feeds its first ``count[b]`` (>= 1) tokens at positions ``start[b]``,
@@ -82,11 +116,11 @@ def _append(graphdef, state, cache, tokens, start, count, rng, method: KVMethod,
         logits, new = model(token[:, None], (start + i)[:, None], cache, attend=method.decode_attend)
         new = method.decode_route(new, inv_freq)
         new = jax.lax.cond(jnp.all(active), lambda: new, lambda: _select_rows(active, new, cache))
-        return (new, jnp.where(active[:, None], logits[:, 0], last)), None
+        return (constrain_cache(new, mesh), jnp.where(active[:, None], logits[:, 0], last)), None
 
     last0 = jnp.zeros((b, model.cfg.vocab_size), jnp.float32)
     (cache, last), _ = jax.lax.scan(body, (cache, last0), (tokens.T, jnp.arange(q, dtype=jnp.int32)))
-    cache = method.route(cache, inv_freq)
+    cache = constrain_cache(method.route(cache, inv_freq), mesh)
     return sample(last, rng, sampler), cache
 
 
@@ -129,15 +163,26 @@ class DecodeState:
     rng: jax.Array
 
 
-def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampler: SamplerConfig):
+def _decode(
+    graphdef,
+    state,
+    cache,
+    first,
+    lengths,
+    rng,
+    method: KVMethod,
+    sampler: SamplerConfig,
+    mesh: Mesh | None = None,
+):
     """Decode loop: first [B] token (at positions ``lengths``) -> (tokens [B, G], num_tokens [B], steps
     taken [], cache). After it, each row's cache holds ``lengths + steps`` tokens and ``tokens[:, steps]``
-    is the last sampled token, not yet in the cache."""
+    is the last sampled token, not yet in the cache. On a ``mesh`` the loop carry's cache is constrained to
+    its sharding every step (and the token buffer [B, G] to the batch split), so it never moves."""
     model: Transformer = nnx.merge(graphdef, state)
     b = first.shape[0]
     g = sampler.max_new_tokens
     eos = jnp.asarray(sampler.eos_ids or (-1,), jnp.int32)
-    out = jnp.zeros((b, g), jnp.int32).at[:, 0].set(first)
+    out = constrain_rows(jnp.zeros((b, g), jnp.int32).at[:, 0].set(first), mesh)
     done = jnp.isin(first, eos)
     inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
 
@@ -149,18 +194,18 @@ def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampl
         token = state.tokens[:, state.step]
         pos = (lengths + state.step)[:, None]
         logits, cache = model(token[:, None], pos, state.cache, attend=method.decode_attend)
-        cache = method.decode_route(cache, inv_freq)
+        cache = constrain_cache(method.decode_route(cache, inv_freq), mesh)
         nxt = sample(logits[:, 0], key, sampler)
         nxt = jnp.where(state.done, eos[0], nxt)
         return DecodeState(
             step=state.step + 1,
             cache=cache,
-            tokens=state.tokens.at[:, state.step + 1].set(nxt),
+            tokens=constrain_rows(state.tokens.at[:, state.step + 1].set(nxt), mesh),
             done=state.done | jnp.isin(nxt, eos),
             rng=rng,
         )
 
-    start = DecodeState(step=jnp.int32(0), cache=cache, tokens=out, done=done, rng=rng)
+    start = DecodeState(step=jnp.int32(0), cache=constrain_cache(cache, mesh), tokens=out, done=done, rng=rng)
     final = jax.lax.while_loop(more, step, start)
     steps, cache, out = final.step, final.cache, final.tokens
     # a row's output ends at its first EOS (inclusive) or at the last step taken
@@ -169,9 +214,9 @@ def _decode(graphdef, state, cache, first, lengths, rng, method: KVMethod, sampl
     return out, first_eos + 1, steps, cache
 
 
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 5, 6, 7, 8, 9))
-_append_jit = jax.jit(_append, static_argnums=(0, 7, 8), donate_argnums=(2,))
-_decode_jit = jax.jit(_decode, static_argnums=(0, 6, 7), donate_argnums=(2,))
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 5, 6, 7, 8, 9, 10))
+_append_jit = jax.jit(_append, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
+_decode_jit = jax.jit(_decode, static_argnums=(0, 6, 7, 8), donate_argnums=(2,))
 
 
 DEFAULT_KV_DTYPE = jnp.bfloat16
@@ -296,6 +341,7 @@ def generate(
     question_starts: Sequence[int] | None = None,
     past: GenerationResult | None = None,
     kv_dtype: Any = DEFAULT_KV_DTYPE,
+    mesh: Mesh | None = None,
 ) -> GenerationResult:
     """Generate for a batch of token prompts of different lengths.
 
@@ -309,22 +355,27 @@ def generate(
     past: continue a conversation: ``prompts`` are the next turn of each row, appended (after the pending
     token of ``past``) to ``past.cache`` the same way; the method defaults to ``past.method``.
     kv_dtype: storage dtype of the KV cache (bfloat16 by default); Full-KV's reference bytes use it too.
+    mesh: run on this device mesh (``sharding.make_mesh``): batch over "data", KV heads, the tiers and the
+    attention/MLP weights over "model" (``qevict_jax.sharding``); the batch must divide by the "data" axis.
     """
     method = method or (past.method if past is not None else None) or FullKV()
     if past is None:
         return generate_shared(
-            model, prompts, sampler, [method], seed, budget_rounding, question_starts, kv_dtype
+            model, prompts, sampler, [method], seed, budget_rounding, question_starts, kv_dtype, mesh
         )[0]
     if question_starts is not None:
         raise ValueError("question_starts and past exclude each other: a new turn is appended whole")
     if len(prompts) != len(past.pending):
         raise ValueError(f"past has {len(past.pending)} rows, got {len(prompts)} prompts")
     check_prompts(prompts, model.cfg, sampler, offsets=[n + 1 for n in past.next_positions])
+    check_batch(len(prompts), mesh)
     turns = [[pending, *p] for pending, p in zip(past.pending, prompts, strict=True)]
     start = np.asarray(past.next_positions, np.int32)
     need = int(max(start + np.array([len(t) for t in turns]))) + sampler.max_new_tokens
     cache = method.reserve(past.cache, need)
-    return _continue(model, method, cache, None, start, turns, sampler, seed, prompts, past.kv_dtype, 0.0)
+    return _continue(
+        model, method, cache, None, start, turns, sampler, seed, prompts, past.kv_dtype, 0.0, mesh
+    )
 
 
 def generate_shared(
@@ -336,6 +387,7 @@ def generate_shared(
     budget_rounding: str = "bucket",
     question_starts: Sequence[int] | None = None,
     kv_dtype: Any = DEFAULT_KV_DTYPE,
+    mesh: Mesh | None = None,
 ) -> list[GenerationResult]:
     """``generate`` with several methods on the same prompts, from one prompt pass (``Fanout``): one
     result per method, as ``generate`` would return them.
@@ -343,6 +395,7 @@ def generate_shared(
     With several methods, each result's ``ttft_s`` includes the one shared prefill, not a per-method one.
     """
     check_prompts(prompts, model.cfg, sampler)
+    check_batch(len(prompts), mesh)
     full_lengths = np.array([len(p) for p in prompts], np.int32)
     if question_starts is None:
         contexts, turns = [list(p) for p in prompts], None
@@ -351,7 +404,7 @@ def generate_shared(
     tokens, lengths = _pad_prompts(contexts)
     capacity_new = (chunk_capacity(max(len(t) for t in turns)) if turns else 0) + sampler.max_new_tokens
     budgets = tuple(_budget_tokens(m, full_lengths, sampler.max_new_tokens, budget_rounding) for m in methods)
-    graphdef, state = nnx.split(model)
+    graphdef, state = _split(model, mesh)
     results: list[GenerationResult | None] = [None] * len(methods)
     if len(methods) == 1:
         groups = [([0], methods[0], budgets[0])]
@@ -361,17 +414,26 @@ def generate_shared(
         t0 = time.perf_counter()
         (first, caches), compile_s = EXECUTABLES.run(
             _prefill_jit,
-            {0: graphdef, 5: prefill_method, 6: sampler, 7: budget_tokens, 8: capacity_new, 9: kv_dtype},
+            {
+                0: graphdef,
+                5: prefill_method,
+                6: sampler,
+                7: budget_tokens,
+                8: capacity_new,
+                9: kv_dtype,
+                10: mesh,
+            },
             graphdef,
             state,
-            jnp.asarray(tokens),
-            jnp.asarray(lengths),
-            jax.random.split(jax.random.key(seed), 3)[0],
+            place_rows(tokens, mesh),
+            place_rows(lengths, mesh),
+            place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh),
             prefill_method,
             sampler,
             budget_tokens,
             capacity_new,
             kv_dtype,
+            mesh,
         )
         first.block_until_ready()
         prefill_s = time.perf_counter() - t0 - compile_s
@@ -379,7 +441,18 @@ def generate_shared(
             caches = (caches,)
         for i, cache in zip(members, caches, strict=True):
             results[i] = _continue(
-                model, methods[i], cache, first, lengths, turns, sampler, seed, prompts, kv_dtype, prefill_s
+                model,
+                methods[i],
+                cache,
+                first,
+                lengths,
+                turns,
+                sampler,
+                seed,
+                prompts,
+                kv_dtype,
+                prefill_s,
+                mesh,
             )
             results[i].compile_s += compile_s
     return results  # type: ignore[return-value]
@@ -397,10 +470,11 @@ def _continue(
     prompts: Sequence[Sequence[int]],
     kv_dtype: Any,
     prefill_s: float,
+    mesh: Mesh | None = None,
 ) -> GenerationResult:
     """Append ``turns`` (if any) at positions ``start`` [B], then decode from ``first`` (the prefill's token,
     used when nothing is appended). ``ttft_s`` = ``prefill_s`` + the append, compilation excluded."""
-    graphdef, state = nnx.split(model)
+    graphdef, state = _split(model, mesh)
     compile_s = 0.0
     t0 = time.perf_counter()
     _, k_append, k_decode = jax.random.split(jax.random.key(seed), 3)
@@ -409,16 +483,17 @@ def _continue(
         chunk, counts = _pad_prompts(turns, chunk_capacity(max(len(t) for t in turns)))
         (first, cache), c = EXECUTABLES.run(
             _append_jit,
-            {0: graphdef, 7: method, 8: sampler},
+            {0: graphdef, 7: method, 8: sampler, 9: mesh},
             graphdef,
             state,
             cache,
-            jnp.asarray(chunk),
-            jnp.asarray(positions),
-            jnp.asarray(counts),
-            k_append,
+            place_rows(chunk, mesh),
+            place_rows(positions, mesh),
+            place_rows(counts, mesh),
+            place_replicated(k_append, mesh),
             method,
             sampler,
+            mesh,
         )
         compile_s += c
         positions = positions + counts
@@ -426,15 +501,16 @@ def _continue(
     t1 = time.perf_counter()
     (out, counts, steps, cache), compile_decode = EXECUTABLES.run(
         _decode_jit,
-        {0: graphdef, 6: method, 7: sampler},
+        {0: graphdef, 6: method, 7: sampler, 8: mesh},
         graphdef,
         state,
         cache,
         first,
-        jnp.asarray(positions),
-        k_decode,
+        place_rows(positions, mesh),
+        place_replicated(k_decode, mesh),
         method,
         sampler,
+        mesh,
     )
     out = np.asarray(out)
     t2 = time.perf_counter()
@@ -454,6 +530,13 @@ def _continue(
         pending=out[:, steps].tolist(),
         kv_dtype=kv_dtype,
     )
+
+
+def _split(model: Transformer, mesh: Mesh | None) -> tuple[Any, Any]:
+    """(graphdef, parameter state) of ``model``; on a mesh the state is placed by ``sharding.param_specs``
+    (a no-op for parameters already placed so, e.g. by ``sharding.shard_model``)."""
+    graphdef, state = nnx.split(model)
+    return graphdef, state if mesh is None else shard_state(state, model.cfg, mesh)
 
 
 def _budget_tokens(method: KVMethod, lengths: np.ndarray, max_new_tokens: int, budget_rounding: str) -> int:

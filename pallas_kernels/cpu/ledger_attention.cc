@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -319,21 +320,34 @@ RangeFn range_fn(int64_t w, int64_t d) {
   return attend_range<0, 0>;
 }
 
-// Run fn(0..n-1) on the intra-op pool (the caller takes task 0) and wait for all of them.
+// Run fn(0..n-1) on the intra-op pool and wait for all of them. The caller claims tasks from the same
+// counter as the helpers, so it never waits on a helper that has not started: when one process runs several
+// devices (a device mesh, e.g. --xla_force_host_platform_device_count), every pool thread may be busy with
+// another device's program, and a caller that only waited for its scheduled tasks deadlocked there. The
+// state is shared, so a helper that starts after all the work is done touches nothing of the caller's frame.
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t pending = n - 1;
-  for (int64_t i = 1; i < n; ++i)
-    pool.Schedule([&, i] {
-      fn(i);
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_one();
-    });
-  fn(0);
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return pending == 0; });
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto st = std::make_shared<State>();
+  const F* f = &fn;
+  auto run = [st, f, n] {
+    for (int64_t i; (i = st->next.fetch_add(1)) < n;) {
+      (*f)(i);
+      if (st->done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(st->mu);
+        st->cv.notify_all();
+      }
+    }
+  };
+  for (int64_t i = 1; i < n; ++i) pool.Schedule([run] { run(); });  // an rvalue: Schedule moves it
+  run();
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->done.load() == n; });
 }
 
 ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc,

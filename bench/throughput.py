@@ -1,0 +1,272 @@
+"""Batch x context throughput of Full-KV and QEvict (β = 0.2, 0.1), side by side in one process.
+
+For each context and batch: TTFT, TPOT (ms per decode step), aggregate decode tokens/s over the batch, the
+cache's bytes (sum of ``nbytes`` over the cache pytree, as the project defines memory) and peak memory,
+each with its ratio to Full-KV in the same row.
+
+Peak memory is XLA's buffer assignment of the compiled executable that ran (``memory_analysis()``:
+arguments + outputs - aliased (donated) + temporaries), less the parameters: the most bytes the program
+holds at once besides the weights. "prefill peak" is that of the jitted prefill; "decode peak" of the decode
+loop. The prefill bound printed beside it is one layer's full KV of the padded prompt in the compute dtype
+plus the compressed cache. On a GPU the device's ``peak_bytes_in_use`` high-water mark is printed too; on the
+CPU the process's RSS high-water (``resource.getrusage``) once at the end (it only grows, so it is not split
+per row).
+
+Prompts are random token ids (throughput does not depend on the text), row i of length
+``context - 8 * (i % 8)``: a ragged batch within one length bucket. Greedy decoding, no EOS: every row
+decodes ``--new-tokens`` tokens.
+
+``--cache-memory BYTES``: for that fixed cache memory, the largest batch (up to ``--max-batch``) whose cache
+fits, per method (its bytes from ``jax.eval_shape`` of the real constructor), then one run at that batch:
+aggregate tokens/s and the ratios of batch and tokens/s to Full-KV's largest batch.
+
+CPU: SmolLM2-135M-Instruct (f32 compute, bf16 KV), ``--contexts 2048,4096,8192``.
+GPU (``--gpu``): random bf16 weights in Llama-3.1-8B shapes, built on the device (no checkpoint),
+``--contexts 32768,65536,131072``, batch 1, stopping before ``--time-limit`` seconds (default 420) so that
+one call stays under 8 minutes.
+
+Usage:
+  python bench/throughput.py [--contexts 2048] [--batches 1,4] [--new-tokens 16]
+  python bench/throughput.py --contexts 2048 --cache-memory 200000000 --max-batch 32
+  python bench/throughput.py --gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.checkpoint import load_model
+from models.config import ModelConfig
+from models.model import Transformer
+from models.registry import resolve_model
+from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length
+from qevict_jax.generate import GenerationResult, generate
+from qevict_jax.kv import KVMethod
+from qevict_jax.methods import make_method
+from qevict_jax.sampling import SamplerConfig
+
+LLAMA31_8B = ModelConfig(
+    family="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    rope_llama3=(8.0, 1.0, 4.0, 8192),
+    max_position_embeddings=131072,
+)
+
+
+def methods() -> list[tuple[str, KVMethod]]:
+    """Full-KV first (the reference of every ratio), then QEvict at β = 0.2 and 0.1."""
+    return [
+        ("Full-KV", make_method("full")),
+        ("QEvict β=0.2", make_method("qevict", 0.2)),
+        ("QEvict β=0.1", make_method("qevict", 0.1)),
+    ]
+
+
+def random_llama31_8b() -> Transformer:
+    """Llama-3.1-8B shapes with random bf16 weights, initialized on the default device."""
+    return Transformer(LLAMA31_8B, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+
+def prompts_for(
+    cfg: ModelConfig, context: int, batch: int, new_tokens: int, seed: int = 0
+) -> list[list[int]]:
+    """``batch`` random prompts, row i of ``context - 8 * (i % 8)`` tokens (capped by the model's context)."""
+    n = min(context, cfg.max_position_embeddings - new_tokens)
+    rs = np.random.RandomState(seed)
+    return [rs.randint(0, cfg.vocab_size, n - 8 * (i % 8)).tolist() for i in range(batch)]
+
+
+def planned_cache_bytes(
+    method: KVMethod, cfg: ModelConfig, lengths: list[int], new_tokens: int, kv_dtype
+) -> int:
+    """Bytes of the cache ``generate`` builds for these prompt lengths, from ``jax.eval_shape`` (nothing
+    allocated): the same constructor, capacity and budget tokens (bucket rounding) as ``generate``."""
+    budget_tokens = bucket_floor(min(lengths)) + new_tokens if method.uses_budget else 0
+    capacity = bucket_length(max(lengths))
+    shapes = jax.eval_shape(
+        lambda: method.init_cache(
+            cfg, jnp.asarray(lengths, jnp.int32), capacity, new_tokens, kv_dtype, budget_tokens
+        )
+    )
+    return int(sum(np.prod(s.shape, dtype=np.int64) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
+
+
+def program_peak(name: str, param_bytes: int) -> int:
+    """XLA's peak buffer bytes of the executable ``name`` ran last, less the parameters (see module doc)."""
+    stats = EXECUTABLES.latest(name).memory_analysis()
+    total = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+    return int(total - param_bytes)
+
+
+def device_peak() -> int | None:
+    """The default device's ``peak_bytes_in_use`` (GPU), None where the backend has no memory stats (CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0))
+
+
+def release() -> None:
+    """Forget compiled programs and free the last run's buffers before the next configuration."""
+    EXECUTABLES.clear()
+    jax.clear_caches()
+    gc.collect()
+
+
+def measure(model, cfg, prompts, sampler, method, kv_dtype, param_bytes) -> dict[str, Any]:
+    res: GenerationResult = generate(model, prompts, sampler, method, kv_dtype=kv_dtype)
+    steps = max(len(t) for t in res.tokens) - 1
+    row = {
+        "ttft_s": res.ttft_s,
+        "tpot_ms": res.decode_s / steps * 1e3,
+        "tok_s": res.decode_tokens_per_s,
+        "cache_bytes": res.cache_bytes,
+        "memory_ratio": res.memory_ratio,
+        "prefill_peak": program_peak("_prefill", param_bytes),
+        "decode_peak": program_peak("_decode", param_bytes),
+        "device_peak": device_peak(),
+    }
+    del res
+    release()
+    return row
+
+
+def one_layer_kv(cfg: ModelConfig, prompts: list[list[int]], compute_dtype) -> int:
+    """Bytes of one layer's full K and V of the padded prompt batch in the compute dtype."""
+    p = bucket_length(max(len(x) for x in prompts))
+    return len(prompts) * p * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(compute_dtype).itemsize
+
+
+def mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}"
+
+
+def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float) -> None:
+    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
+    print(
+        "| context | batch | method | TTFT (s) | TPOT (ms) | decode tok/s | tok/s vs Full | cache MB | cache vs Full "
+        "| memory ratio | prefill peak MB | prefill vs Full | 1 layer KV + cache MB | decode peak MB "
+        "| decode peak vs Full | device peak MB |"
+    )
+    print("|" + "---|" * 16)
+    for context in [int(c) for c in args.contexts.split(",")]:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            if args.time_limit and time.perf_counter() - t_start > args.time_limit:
+                print(
+                    f"(stopped: --time-limit {args.time_limit} s reached before context {context}, batch {batch})"
+                )
+                return
+            prompts = prompts_for(cfg, context, batch, args.new_tokens)
+            layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
+            ref = None
+            for label, method in methods():
+                r = measure(model, cfg, prompts, sampler, method, kv_dtype, param_bytes)
+                ref = ref or r
+                print(
+                    f"| {len(prompts[0])} | {batch} | {label} | {r['ttft_s']:.3f} | {r['tpot_ms']:.1f} "
+                    f"| {r['tok_s']:.1f} | {r['tok_s'] / ref['tok_s']:.2f}x | {mb(r['cache_bytes'])} "
+                    f"| {r['cache_bytes'] / ref['cache_bytes']:.3f} | {r['memory_ratio']:.3f} "
+                    f"| {mb(r['prefill_peak'])} | {r['prefill_peak'] / ref['prefill_peak']:.3f} "
+                    f"| {mb(layer_kv + r['cache_bytes'])} | {mb(r['decode_peak'])} "
+                    f"| {r['decode_peak'] / ref['decode_peak']:.3f} | {mb(r['device_peak'])} |",
+                    flush=True,
+                )
+
+
+def fixed_memory(model, cfg, args, kv_dtype, param_bytes) -> None:
+    """Largest batch per method within ``--cache-memory`` bytes of cache, and its aggregate tokens/s."""
+    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
+    context = int(args.contexts.split(",")[0])
+    print(f"cache memory {args.cache_memory / 1e6:.1f} MB, context {context}, {args.new_tokens} new tokens")
+    print("| method | largest batch | cache MB | TPOT (ms) | decode tok/s | batch vs Full | tok/s vs Full |")
+    print("|---|---|---|---|---|---|---|")
+    ref = None
+    for label, method in methods():
+        fits = 0
+        for batch in range(1, args.max_batch + 1):
+            lengths = [len(p) for p in prompts_for(cfg, context, batch, args.new_tokens)]
+            if planned_cache_bytes(method, cfg, lengths, args.new_tokens, kv_dtype) > args.cache_memory:
+                break
+            fits = batch
+        if fits == 0:
+            print(f"| {label} | 0 (one row does not fit) | - | - | - | - | - |")
+            continue
+        prompts = prompts_for(cfg, context, fits, args.new_tokens)
+        r = measure(model, cfg, prompts, sampler, method, kv_dtype, param_bytes) | {"batch": fits}
+        ref = ref or r
+        print(
+            f"| {label} | {fits}{'+' if fits == args.max_batch else ''} | {mb(r['cache_bytes'])} "
+            f"| {r['tpot_ms']:.1f} | {r['tok_s']:.1f} | {fits / ref['batch']:.2f}x | {r['tok_s'] / ref['tok_s']:.2f}x |",
+            flush=True,
+        )
+    print("('+': the search stopped at --max-batch; ratios are against Full-KV's largest batch)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="random bf16 Llama-3.1-8B shapes at 32K/64K/128K")
+    ap.add_argument("--contexts", default=None, help="comma-separated prompt lengths")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument(
+        "--cache-memory", type=float, default=None, help="bytes of cache: largest batch per method"
+    )
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--time-limit", type=float, default=None, help="seconds; stop starting new rows after it")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    if args.gpu:
+        if jax.default_backend() != "gpu":
+            sys.exit("--gpu needs a GPU backend (jax.default_backend() is " + jax.default_backend() + ")")
+        args.contexts = args.contexts or "32768,65536,131072"
+        args.batches = args.batches or "1"
+        args.new_tokens = args.new_tokens or 32
+        args.time_limit = args.time_limit or 420.0
+        model, cfg = random_llama31_8b(), LLAMA31_8B
+        kv_dtype = compute_dtype = jnp.bfloat16
+        name = "random bf16 weights in Llama-3.1-8B shapes, bf16 KV"
+    else:
+        args.contexts = args.contexts or "2048"
+        args.batches = args.batches or "1,4"
+        args.new_tokens = args.new_tokens or 16
+        cfg, model = load_model(resolve_model("smollm2-135m-instruct"))
+        kv_dtype, compute_dtype = jnp.bfloat16, model.dtype
+        name = "SmolLM2-135M-Instruct, f32 compute, bf16 KV"
+    param_bytes = int(sum(a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param))))
+    print(
+        f"{name}, {jax.default_backend()} ({jax.devices()[0].device_kind}), {args.new_tokens} new tokens, greedy"
+    )
+    if args.cache_memory:
+        fixed_memory(model, cfg, args, kv_dtype, param_bytes)
+    else:
+        sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start)
+    if jax.default_backend() == "cpu":
+        print(f"process RSS high-water: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
+    print(
+        f"elapsed {time.perf_counter() - t_start:.0f} s; ratios are against Full-KV in the same process and row"
+    )
+
+
+if __name__ == "__main__":
+    main()

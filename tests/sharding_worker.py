@@ -1,0 +1,121 @@
+"""Sharded generation on 8 fake CPU devices, run as its own process by ``tests/test_sharding.py``.
+
+The device count is fixed when JAX's backend starts, and the test suite's process has already started it
+with one device, so this script sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before it imports
+JAX. It generates with Full-KV and QEvict (a budget where routing evicts, demotes and promotes; four prompts
+of different lengths in one batch) on one device and on meshes (data, model) = (2, 2), (1, 4), (2, 4), and
+then appends a second turn to QEvict's cache on one device and on (2, 4), and
+prints one JSON object: per method and mesh the tokens, cache bytes, memory ratio, routing counters and, per
+cache leaf, its PartitionSpec and the shape of one device's shard; plus the messages of the errors a batch or
+a model that does not divide over the mesh raises.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from models.config import ModelConfig  # noqa: E402
+from models.model import Transformer  # noqa: E402
+from pallas_kernels.dispatch import use_cpu_kernel  # noqa: E402
+from qevict_jax.generate import generate  # noqa: E402
+from qevict_jax.methods import cache_stats, make_method  # noqa: E402
+from qevict_jax.sampling import SamplerConfig  # noqa: E402
+from qevict_jax.sharding import make_mesh, param_specs  # noqa: E402
+
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    max_position_embeddings=1024,
+)
+MESHES = [(2, 2), (1, 4), (2, 4)]
+METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16)}
+
+
+def tiny_model() -> Transformer:
+    """A random TINY model with a larger init than the default, so greedy choices are not near-ties."""
+    model = Transformer(TINY, rngs=nnx.Rngs(3))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
+    return model
+
+
+def leaf_report(cache) -> dict[str, dict]:
+    """Per leaf (by its pytree path): the PartitionSpec, the global shape and one device's shard shape."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        spec = getattr(leaf.sharding, "spec", None)
+        out[jax.tree_util.keystr(path)] = {
+            "spec": None if spec is None else [s if s is None else str(s) for s in spec],
+            "shape": list(leaf.shape),
+            "shard": list(leaf.addressable_shards[0].data.shape),
+        }
+    return out
+
+
+def run(model, prompts, sampler, method, mesh_shape) -> dict:
+    mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
+    res = generate(model, prompts, sampler, method, mesh=mesh, kv_dtype=jnp.float32)
+    stats = cache_stats(res.cache) if method.uses_budget else {}
+    return {
+        "tokens": res.tokens,
+        "cache_bytes": res.cache_bytes,
+        "full_kv_bytes": res.full_kv_bytes,
+        "memory_ratio": res.memory_ratio,
+        "routing_events": stats.get("routing_events"),
+        "evictions": stats.get("evictions"),
+        "promotions": stats.get("promotions"),
+        "demotions": stats.get("demotions"),
+        "leaves": leaf_report(res.cache),
+    }
+
+
+def main() -> None:
+    model = tiny_model()
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(0, TINY.vocab_size, n).tolist() for n in (200, 150, 230, 180)]
+    sampler = SamplerConfig(max_new_tokens=48)
+    report: dict = {"devices": len(jax.devices()), "cpu_kernel": use_cpu_kernel(), "runs": {}, "errors": {}}
+    for name, method in METHODS.items():
+        for mesh_shape in [None, *MESHES]:
+            key = f"{name}/{'single' if mesh_shape is None else 'x'.join(map(str, mesh_shape))}"
+            report["runs"][key] = run(model, prompts, sampler, method, mesh_shape)
+    # a second turn appended to the compressed cache (the jitted append, then decoding) on a 2 x 4 mesh
+    turns = [rs.randint(0, TINY.vocab_size, n).tolist() for n in (20, 35, 12, 27)]
+    for mesh_shape in (None, (2, 4)):
+        mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
+        first = generate(model, prompts, sampler, METHODS["qevict"], mesh=mesh, kv_dtype=jnp.float32)
+        second = generate(model, turns, SamplerConfig(max_new_tokens=16), past=first, mesh=mesh)
+        report["runs"][f"qevict-turn2/{'single' if mesh is None else '2x4'}"] = {
+            "tokens": second.tokens,
+            "cache_bytes": second.cache_bytes,
+            "memory_ratio": second.memory_ratio,
+        }
+    try:
+        generate(model, prompts[:3], sampler, METHODS["full"], mesh=make_mesh(2, 2))
+    except ValueError as e:
+        report["errors"]["batch"] = str(e)
+    try:
+        param_specs(TINY, make_mesh(1, 3))
+    except ValueError as e:
+        report["errors"]["heads"] = str(e)
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Sharded generation (``qevict_jax.sharding``): the same tokens and memory on a device mesh as on one device.
+
+The multi-device checks run ``tests/sharding_worker.py`` in a subprocess with 8 fake CPU devices (this
+process's backend already started with one); the layout, 1 x 1 mesh and compile-count checks run here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.config import ModelConfig
+from models.model import Transformer
+from pallas_kernels.dispatch import use_cpu_kernel
+from qevict_jax import generate as gen
+from qevict_jax.generate import generate
+from qevict_jax.kv import FullCache
+from qevict_jax.methods import cache_stats, make_method
+from qevict_jax.sampling import SamplerConfig
+from qevict_jax.sharding import CACHE_LAYOUTS, HEADS, cache_specs, make_mesh, param_specs
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("sharding_worker.py")
+MESHES = ["2x2", "1x4", "2x4"]
+
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    max_position_embeddings=1024,
+)
+
+
+@pytest.fixture(scope="module")
+def sharded() -> dict:
+    """The worker's JSON report (8 fake CPU devices)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    m = Transformer(TINY, rngs=nnx.Rngs(3))
+    state = nnx.state(m, nnx.Param)
+    nnx.update(m, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
+    return m
+
+
+def test_worker_saw_eight_devices(sharded):
+    """8 devices; QEvict's Q tier ran through the CPU ledger kernel there whenever it builds here (the FFI
+    kernel once deadlocked when 8 devices shared its thread pool)."""
+    assert sharded["devices"] == 8
+    assert sharded["cpu_kernel"] == use_cpu_kernel()
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name", ["full", "qevict"])
+def test_sharded_generation_equals_one_device(sharded, name, mesh):
+    one, many = sharded["runs"][f"{name}/single"], sharded["runs"][f"{name}/{mesh}"]
+    assert many["tokens"] == one["tokens"]
+    assert many["cache_bytes"] == one["cache_bytes"]
+    assert many["full_kv_bytes"] == one["full_kv_bytes"]
+    assert many["memory_ratio"] == one["memory_ratio"]
+    for counter in ("routing_events", "evictions", "promotions", "demotions"):
+        assert many[counter] == one[counter], counter
+
+
+def test_sharded_second_turn_equals_one_device(sharded):
+    """A new turn appended to QEvict's compressed cache (jitted append + routing event + decode) on 2 x 4."""
+    one, many = sharded["runs"]["qevict-turn2/single"], sharded["runs"]["qevict-turn2/2x4"]
+    assert many == one
+    assert all(len(t) == 16 for t in one["tokens"])
+
+
+def test_qevict_run_routes_and_rows_differ_in_length(sharded):
+    """The QEvict runs compared above really route (decode events, evictions, tier moves) on a ragged batch."""
+    run = sharded["runs"]["qevict/single"]
+    assert min(run["routing_events"]) >= 20
+    assert min(run["evictions"]) > 0
+    assert sum(run["promotions"]) + sum(run["demotions"]) > 0
+    assert run["memory_ratio"] < 0.5
+    assert len({len(t) for t in run["tokens"]}) == 1  # no EOS: every row decodes all steps
+    assert sharded["runs"]["full/single"]["memory_ratio"] > 1.0  # Full-KV's buffer holds the padded bucket
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name", ["full", "qevict"])
+def test_cache_leaves_carry_their_sharding(sharded, name, mesh):
+    """Every leaf: batch (axis 1) over "data"; a leaf with a KV-head axis (axis 2) over "model"; the shard of
+    one device is the global shape divided accordingly (so a KV head's tiers live on one device)."""
+    data, model_axis = map(int, mesh.split("x"))
+    leaves = sharded["runs"][f"{name}/{mesh}"]["leaves"]
+    head_leaves = 0
+    for path, leaf in leaves.items():
+        shape, shard = leaf["shape"], leaf["shard"]
+        spec = leaf["spec"] + [None] * (len(shape) - len(leaf["spec"]))  # XLA drops trailing unsplit axes
+        # XLA reports an axis of size 1 as unsplit (None)
+        assert spec[0] is None and spec[1] in (("data", None) if data == 1 else ("data",)), path
+        want = list(shape)
+        want[1] //= data
+        if len(spec) > 2 and spec[2] == "model":
+            head_leaves += 1
+            assert shape[2] == TINY.num_kv_heads, path
+            want[2] //= model_axis
+        assert shard == want, path
+    assert head_leaves >= (2 if name == "full" else 10)
+
+
+def test_indivisible_batch_and_heads_are_clear_errors(sharded):
+    assert "batch 3" in sharded["errors"]["batch"] and "'data'" in sharded["errors"]["batch"]
+    assert "num_kv_heads=4" in sharded["errors"]["heads"] and "'model'" in sharded["errors"]["heads"]
+
+
+@pytest.mark.parametrize("name", ["full", "qevict", "snapkv"])
+def test_cache_specs_follow_the_documented_layouts(name):
+    """cache_specs on each cache type: every leaf has a spec; the KV-head axis (axis 2, size Hkv) is split
+    over "model" exactly for the leaves the layout table marks, never for the others."""
+    method = make_method(name, 0.4, recent=16) if name != "full" else make_method("full")
+    lengths = jnp.asarray([200, 150], jnp.int32)
+    cache = jax.eval_shape(lambda: method.init_cache(TINY, lengths, 256, 24, jnp.bfloat16, 174))
+    specs = cache_specs(cache)
+    flat = jax.tree_util.tree_flatten_with_path(cache)[0]
+    spec_leaves = jax.tree.leaves(specs)
+    assert len(spec_leaves) == len(flat)
+    for (path, leaf), spec in zip(flat, spec_leaves, strict=True):
+        assert leaf.shape[0] == TINY.num_layers and leaf.shape[1] == 2, path
+        assert spec[:2] == (None, "data")
+        if len(spec) > 2:
+            assert spec[2] == "model" and leaf.shape[2] == TINY.num_kv_heads, path
+    if isinstance(cache, FullCache):
+        assert specs.k[2] == "model" and specs.v[2] == "model"
+
+
+def test_cache_layout_table_names_every_field():
+    for cls, layout in CACHE_LAYOUTS.items():
+        fields = {f.name for f in dataclasses.fields(cls) if f.metadata.get("pytree_node", True)}
+        assert fields == set(layout), cls.__name__
+    assert CACHE_LAYOUTS[FullCache]["k"] == HEADS
+
+
+def test_param_specs_split_heads_and_mlp_over_model():
+    specs = param_specs(TINY, make_mesh(1, 1))
+    layers = specs["layers"]
+    assert layers["wk"] == jax.sharding.PartitionSpec(None, None, "model")
+    assert layers["wo"] == jax.sharding.PartitionSpec(None, "model", None)
+    assert layers["w_down"] == jax.sharding.PartitionSpec(None, "model", None)
+    assert specs["embed"] == jax.sharding.PartitionSpec()
+
+
+@pytest.mark.parametrize("name", ["full", "qevict"])
+def test_one_by_one_mesh_is_bit_identical(model, name):
+    method = make_method(name, 0.4, omega=4, recent=16) if name != "full" else make_method("full")
+    rs = np.random.RandomState(1)
+    prompts = [rs.randint(0, TINY.vocab_size, n).tolist() for n in (190, 140)]
+    sampler = SamplerConfig(max_new_tokens=12)
+    plain = generate(model, prompts, sampler, method)
+    meshed = generate(model, prompts, sampler, method, mesh=make_mesh(1, 1))
+    assert meshed.tokens == plain.tokens
+    assert meshed.cache_bytes == plain.cache_bytes
+    for a, b in zip(jax.tree.leaves(plain.cache), jax.tree.leaves(meshed.cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_long_generation_with_many_routing_events_compiles_once(model):
+    """96 new tokens at omega = 2: 47 routing events (evictions, promotions, demotions) inside one
+    compiled decode loop; a second prompt of the same bucket compiles nothing."""
+    method = make_method("qevict", 0.4, omega=2, recent=16)
+    sampler = SamplerConfig(max_new_tokens=96)
+    rs = np.random.RandomState(2)
+    before = dict(gen.EXECUTABLES.compilations)
+    res = generate(model, [rs.randint(0, TINY.vocab_size, 300).tolist()], sampler, method)
+    mid = dict(gen.EXECUTABLES.compilations)
+    stats = cache_stats(res.cache)
+    assert stats["routing_events"][0] >= 40
+    assert stats["evictions"][0] > 0 and stats["promotions"][0] + stats["demotions"][0] > 0
+    assert len(res.tokens[0]) == 96
+    for fn in ("_prefill", "_decode"):
+        assert mid.get(fn, 0) - before.get(fn, 0) <= 1, fn
+    generate(model, [rs.randint(0, TINY.vocab_size, 310).tolist()], sampler, method)
+    assert dict(gen.EXECUTABLES.compilations) == mid, "a same-bucket prompt compiled again"
+
+
+def test_decode_loop_donates_the_cache(model):
+    """The decode loop donates its cache argument (``donate_argnums``): the buffers handed in are consumed and
+    reused for the output, not copied (Full-KV's k/v are the whole cache)."""
+    method = make_method("full")
+    sampler = SamplerConfig(max_new_tokens=4)
+    res = generate(model, [[1, 2, 3, 4, 5]], sampler, method)
+    graphdef, state = nnx.split(model)
+    cache = res.cache
+    out = gen._decode_jit(
+        graphdef, state, cache, jnp.asarray([7]), jnp.asarray([9]), jax.random.key(0), method, sampler, None
+    )
+    jax.block_until_ready(out)
+    assert cache.k.is_deleted() and cache.v.is_deleted()
+    assert not out[3].k.is_deleted()

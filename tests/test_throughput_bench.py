@@ -1,0 +1,57 @@
+"""bench/throughput.py's measurements on a tiny random model: the planned cache bytes its --cache-memory
+search uses are the bytes generate's cache has, and the measured peaks are the executables' own."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from models.config import ModelConfig
+from models.model import Transformer
+from qevict_jax.methods import make_method
+from qevict_jax.sampling import SamplerConfig
+
+_SPEC = importlib.util.spec_from_file_location(
+    "throughput", Path(__file__).resolve().parent.parent / "bench" / "throughput.py"
+)
+throughput = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(throughput)
+
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    max_position_embeddings=2048,
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return Transformer(TINY, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("name", ["full", "qevict"])
+def test_planned_cache_bytes_are_what_generate_allocates(model, name):
+    method = make_method(name, 0.3, recent=16) if name != "full" else make_method("full")
+    prompts = throughput.prompts_for(TINY, 700, 3, 8)
+    assert sorted({len(p) for p in prompts}) == [684, 692, 700]  # a ragged batch
+    param_bytes = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    row = throughput.measure(
+        model, TINY, prompts, SamplerConfig(max_new_tokens=8), method, jnp.bfloat16, param_bytes
+    )
+    planned = throughput.planned_cache_bytes(method, TINY, [len(p) for p in prompts], 8, jnp.bfloat16)
+    assert planned == row["cache_bytes"]
+    # the decode loop holds at least its cache (donated in, returned out), the prefill at least its output
+    assert row["decode_peak"] >= row["cache_bytes"]
+    assert row["prefill_peak"] >= row["cache_bytes"]
+    assert row["tok_s"] > 0 and row["tpot_ms"] > 0
