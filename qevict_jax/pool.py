@@ -26,8 +26,8 @@ from qevict_jax.cache import (
     shared_prompt_attention,
     write_token,
 )
-from qevict_jax.routing import _rank, assign_slots, ring_candidates
-from qevict_jax.scoring import TokenRanking
+from qevict_jax.routing import _rank, assign_slots, mark_routed, ring_candidates
+from qevict_jax.scoring import TokenRanking, head_top_mask
 
 
 class PoolAttention(struct.PyTreeNode):
@@ -119,14 +119,8 @@ class Allocation:
             return pos.reshape(b, -1), head.reshape(b, -1), vals.reshape(b, -1)
         n_safe = int(per_head * self.safeguard)
         forced = s
-        if n_safe:
-            _, top = jax.lax.top_k(s, min(n_safe, t))
-            hit = (
-                jnp.zeros(s.shape, bool)
-                .at[jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None], top]
-                .set(True)
-            )
-            forced = jnp.where(hit & (s > -jnp.inf), jnp.finfo(jnp.float32).max, s)
+        if n_safe:  # every head's top n_safe tokens first
+            forced = jnp.where(head_top_mask(s, n_safe), jnp.finfo(jnp.float32).max, s)
         total = hkv * per_head
         kk = min(total, hkv * t)
         vals, idx = jax.lax.top_k(forced.reshape(b, hkv * t), kk)
@@ -273,13 +267,11 @@ def route_pool_row(row: Any, ranking: TokenRanking) -> Any:
     slot = (jnp.arange(hkv)[:, None] * pph + jnp.where(target < pph, target, hkv * pph)).reshape(-1)
     hp_k = row.hp_k.at[slot].set(cand_k.reshape(-1, d).astype(row.hp_k.dtype), mode="drop")
     hp_v = row.hp_v.at[slot].set(cand_v.reshape(-1, d).astype(row.hp_v.dtype), mode="drop")
-    new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
-    return row.replace(
+    row = row.replace(
         hp_k=hp_k,
         hp_v=hp_v,
         hp_pos=pos.reshape(-1),
         hp_score=score.reshape(-1),
-        next_win=new_next,
-        routing_events=row.routing_events + 1,
         evictions=row.evictions + gone.sum(),
     )
+    return mark_routed(row, cand_win)

@@ -346,7 +346,12 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, jax.
 
 def finish_row(row: Any, plan, cand_k, cand_v, cand_win, inv_freq: jax.Array, bound: int | None) -> Any:
     """``apply_plan``, then mark the candidates routed and count the event."""
-    row = apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq, bound)
+    return mark_routed(apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq, bound), cand_win)
+
+
+def mark_routed(row: Any, cand_win: jax.Array) -> Any:
+    """One row after a routing event over candidates cand_win [K] (-1 = none): they left the ring
+    (``next_win`` past them) and the event is counted. Either engine's row (``SinkRingCache``)."""
     new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
     return row.replace(next_win=new_next, routing_events=row.routing_events + 1)
 

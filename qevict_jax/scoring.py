@@ -574,15 +574,16 @@ def criticalkv_scores(
     n1 = int(capacity * first_stage_ratio)
     if n1 == 0:
         return s2
-    masked = jnp.where(eligible[:, None, :], base, -jnp.inf)
-    vals, top = jax.lax.top_k(masked, min(n1, base.shape[-1]))
-    b, hkv = base.shape[:2]
-    hit = (
-        jnp.zeros(base.shape, bool)
-        .at[jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None], top]
-        .set(vals > -jnp.inf)
-    )
+    hit = head_top_mask(jnp.where(eligible[:, None, :], base, -jnp.inf), n1)
     return jnp.where(hit, jnp.finfo(jnp.float32).max, s2)
+
+
+def head_top_mask(scores: jax.Array, n: int) -> jax.Array:
+    """[B, Hkv, T] bool: each head's ``n`` highest of scores [B, Hkv, T] (finite ones only; ties: lower index)."""
+    vals, top = jax.lax.top_k(scores, min(n, scores.shape[-1]))
+    b, hkv = scores.shape[:2]
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None]
+    return jnp.zeros(scores.shape, bool).at[rows, heads, top].set(vals > -jnp.inf)
 
 
 # ------------------------------------------------------------------------ token-only rankings (the token pool)
