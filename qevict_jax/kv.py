@@ -84,7 +84,8 @@ def to_words(x: jax.Array, dtype: Any) -> jax.Array:
 
     XLA's CPU backend rewrites a scatter or dynamic-update-slice on a 16-bit float buffer into f32 and back,
     converting the *whole* buffer (17 ms per write into SmolLM2's 2K stacked cache, against microseconds on
-    uint16 words): the uncompressed cache, written one token per layer per step, is kept as words.
+    uint16 words): the uncompressed cache, written one token per layer per step, and QEvict's F tier
+    (``cache.TieredCache.fp_kw``), into which routing scatters windows, are kept as words.
     """
     x = x.astype(dtype)
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(dtype).itemsize == 2 else x
