@@ -22,10 +22,13 @@ import jax
 from models.checkpoint import load_model
 from models.registry import registered_source, resolve_model
 from models.tokenizer import Tokenizer
-from qevict_jax.generate import EXECUTABLES, GenerationResult, SamplerConfig, generate
+from qevict_jax.compiled import EXECUTABLES
+from qevict_jax.generate import generate
 from qevict_jax.methods import make_method
 from qevict_jax.needle import needle_prompt_text, needle_sample
 from qevict_jax.qevict import QEvict
+from qevict_jax.results import GenerationResult
+from qevict_jax.sampling import SamplerConfig
 
 
 @dataclasses.dataclass(frozen=True)

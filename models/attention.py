@@ -17,14 +17,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
     Rotating at ``-positions`` undoes a rotation at ``positions``.
     """
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    return rotate_half(x, cos[..., None, :], sin[..., None, :]).astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [..., D/2] f32 of the RoPE angles ``positions`` [...] x ``inv_freq`` [D/2]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [..., D] rotated by angles whose cos, sin [..., D/2] broadcast against x's halves; f32."""
     half = x.shape[-1] // 2
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [..., T, D/2]
-    cos = jnp.cos(angles)[..., None, :]  # [..., T, 1, D/2]
-    sin = jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def attention_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) -> jax.Array:

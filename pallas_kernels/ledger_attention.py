@@ -287,21 +287,13 @@ def pad_slots(x: jax.Array, n: int, value) -> jax.Array:
 # the ledger kernel
 
 
-def _dequant_keys(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -> jax.Array:
-    """Keys [BS, C, W] f32 from codes [BS, C, W*bits/8], scale and zero [BS, C] (masked by valid [BS])."""
-    bs, c, wb = codes_ref.shape
-    codes = masked_load(codes_ref, jnp.broadcast_to(valid[:, None, None], (bs, c, wb)))
-    grid_mask = jnp.broadcast_to(valid[:, None], (bs, c))
-    scale = masked_load(scale_ref, grid_mask).astype(jnp.float32)
-    zero = masked_load(zero_ref, grid_mask).astype(jnp.float32)
-    return unpack_last(codes, bits).astype(jnp.float32) * scale[:, :, None] + zero[:, :, None]
-
-
-def _dequant_values(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -> jax.Array:
-    """Values [BS, W, D] f32 from codes [BS, W, D*bits/8], scale and zero [BS, W] (masked by valid [BS])."""
-    bs, w, db = codes_ref.shape
-    codes = masked_load(codes_ref, jnp.broadcast_to(valid[:, None, None], (bs, w, db)))
-    grid_mask = jnp.broadcast_to(valid[:, None], (bs, w))
+def _dequant_rows(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -> jax.Array:
+    """Dequantize slots whose grid runs along the last axis: codes [BS, R, N*bits/8], scale and zero [BS, R]
+    (masked by valid [BS]) -> [BS, R, N] f32. Keys: R = channels C, N = the window's W tokens (per-channel
+    grid); values: R = the W tokens, N = head_dim D (per-token grid)."""
+    bs, r, nb = codes_ref.shape
+    codes = masked_load(codes_ref, jnp.broadcast_to(valid[:, None, None], (bs, r, nb)))
+    grid_mask = jnp.broadcast_to(valid[:, None], (bs, r))
     scale = masked_load(scale_ref, grid_mask).astype(jnp.float32)
     zero = masked_load(zero_ref, grid_mask).astype(jnp.float32)
     return unpack_last(codes, bits).astype(jnp.float32) * scale[:, :, None] + zero[:, :, None]
@@ -339,12 +331,12 @@ def _ledger_kernel(
     def step(i, state: Running) -> Running:
         rows = pl.ds(i * bs, bs)
         valid = valid_ref[rows] != 0  # [BS]
-        k1 = _dequant_keys(kc_ref.at[rows, lo], ks_ref.at[rows, lo], kz_ref.at[rows, lo], valid, bits)
-        k2 = _dequant_keys(kc_ref.at[rows, hi], ks_ref.at[rows, hi], kz_ref.at[rows, hi], valid, bits)
+        k1 = _dequant_rows(kc_ref.at[rows, lo], ks_ref.at[rows, lo], kz_ref.at[rows, lo], valid, bits)
+        k2 = _dequant_rows(kc_ref.at[rows, hi], ks_ref.at[rows, hi], kz_ref.at[rows, hi], valid, bits)
         cos, sin = rope_cos_sin(start_ref[rows], theta, window)  # [BS, D/2, W]
         kr1 = k1 * cos - k2 * sin
         kr2 = k2 * cos + k1 * sin
-        v = _dequant_values(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, bits)  # [BS, W, D]
+        v = _dequant_rows(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, bits)  # [BS, W, D]
         logits = [
             jnp.sum(q1[g][None, :, None] * kr1 + q2[g][None, :, None] * kr2, axis=1) for g in range(groups)
         ]

@@ -9,10 +9,12 @@ per-head token pool, a scoring *policy*:
   is quantized into the Q tier; nothing is evicted; the byte budget does not apply).
 - H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV, CriticalKV, ReST-KV: layout "pool": a pool of token slots
   per layer and row, each slot owned by one KV head, so that heads keep different tokens (uniform,
-  layer-varying or head-adaptive budgets) and the memory is the pool itself. The policy's ``prefill_scores``
-  returns ``[B, Hkv, T]`` (higher = keep, kvpress-style); the shared ``pool.select_pool`` does the top-k
-  and the gather. Prompt-based methods compress once after prefill (``static``), decode-time methods (H2O,
-  TOVA) re-rank every step.
+  layer-varying or head-adaptive budgets) and the memory is the pool itself. A policy is a ranking
+  (``ranking``: a ``scoring`` ranking, the interface the window engine ranks its windows with, whose
+  ``prefill_token_scores`` returns ``[B, Hkv, T]``, higher = keep, kvpress-style) and an allocation rule
+  (``allocation``: ``pool.Allocation``, which does the top-k; the pool engine does the gather).
+  Prompt-based methods compress once after prefill (``static``), decode-time methods (H2O, TOVA) re-rank
+  every step with the ranking's ``update``.
 
 Question-agnostic mode and later turns are the same for every method (``generate(question_starts=...)``,
 ``generate(past=...)``): the appended tokens go through the method's decode step, so a compress-once pool
@@ -28,6 +30,7 @@ which the decoder does not offer.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar
 
@@ -35,17 +38,20 @@ import jax
 import jax.numpy as jnp
 
 from models.model import LayerContext
-from qevict_jax.budget import (
-    keep_all_capacities,
-    pyramid_layer_caps,
-    solve_local_capacities,
-    solve_pool_capacities,
-)
+from qevict_jax.budget import keep_all_capacities, solve_local_capacities, solve_pool_capacities
 from qevict_jax.cache import PoolCache, SizedByCapacities
 from qevict_jax.config import CacheConfig, Capacities, num_windows
-from qevict_jax.pool import pool_decode_layer, pool_prefill_layer, route_pool_row
+from qevict_jax.pool import UNIFORM, Allocation, pool_decode_layer, pool_prefill_layer, route_pool_row
 from qevict_jax.qevict import QEvict
-from qevict_jax.scoring import criticalkv_scores, observation_attention, restkv_scores, snapkv_scores
+from qevict_jax.scoring import (
+    CriticalKVRanking,
+    CumulativeAllRanking,
+    KeyNormRanking,
+    RestKVRanking,
+    SnapKVRanking,
+    TokenRanking,
+    TOVARanking,
+)
 
 # ---------------------------------------------------------------------------------------------- window layouts
 
@@ -104,11 +110,11 @@ class KIVI(QEvict):
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolMethod(SizedByCapacities):
+class PoolMethod(SizedByCapacities, abc.ABC):
     """Shared base of the per-head token-pool baselines (layout "pool"): sizing, prefill, decode.
 
-    Subclasses implement ``prefill_scores`` (token scores [B, Hkv, T], higher = keep) and, for decode-time
-    eviction, ``decode_mass`` / ``update`` / ``candidate_score``.
+    A policy is its ``ranking`` (token scores at the prompt end, their update at decode) and its
+    ``allocation`` (how the slots go to the heads and the layers; uniform by default).
     """
 
     name: str = "pool"
@@ -116,8 +122,16 @@ class PoolMethod(SizedByCapacities):
     uses_budget: ClassVar[bool] = True
     options: ClassVar[tuple[str, ...]] = ("sink", "recent", "prefill_chunk", "budget_bytes")
     protects_recent: ClassVar[bool] = False
-    adaptive: ClassVar[bool] = False
-    alpha_safeguard: ClassVar[float] = 0.2
+
+    @property
+    @abc.abstractmethod
+    def ranking(self) -> TokenRanking:
+        """The ranking of the pool's tokens (built from the method's options)."""
+
+    @property
+    def allocation(self) -> Allocation:
+        """How the pool's slots go to the heads and the layers."""
+        return UNIFORM
 
     def capacities(
         self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
@@ -128,18 +142,15 @@ class PoolMethod(SizedByCapacities):
             self.cache, model_cfg, batch, budget_tokens, dtype, max_new_tokens, selectable
         )
         prefix = max(1, budget_tokens - max_new_tokens - caps.recent - caps.sink)
-        layer_caps = self.layer_caps(caps.pool_per_head, model_cfg.num_layers, prefix)
+        layer_caps = self.allocation.layer_caps(caps.pool_per_head, model_cfg.num_layers, prefix)
         return dataclasses.replace(caps, layer_caps=layer_caps)
-
-    def layer_caps(self, per_head: int, num_layers: int, prefix: int) -> tuple[int, ...]:
-        """Per-layer pool fill; () = every layer fills ``per_head`` slots per head."""
-        return ()
 
     def route(self, cache: PoolCache, inv_freq: jax.Array) -> PoolCache:
         """A decode-time eviction event of every layer and row now (identity for compress-once pools)."""
         if not cache.caps.decode_routing:
             return cache
-        return jax.vmap(jax.vmap(lambda row: route_pool_row(row, self)))(cache)
+        ranking = self.ranking
+        return jax.vmap(jax.vmap(lambda row: route_pool_row(row, ranking)))(cache)
 
     def reserve(self, cache: PoolCache, total_tokens: int) -> PoolCache:
         """Decode-time pools hold any length; a compress-once pool keeps every later token in its ring and
@@ -158,32 +169,13 @@ class PoolMethod(SizedByCapacities):
 
     def prefill_attend(self, q, k, v, layer_cache: PoolCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
-        return pool_prefill_layer(q, k, v, layer_cache, ctx, self, self.cache.prefill_chunk)
+        return pool_prefill_layer(
+            q, k, v, layer_cache, ctx, self.ranking, self.allocation, self.cache.prefill_chunk
+        )
 
     def decode_attend(self, q, k, v, layer_cache: PoolCache, ctx: LayerContext):
         """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
-        return pool_decode_layer(q, k, v, layer_cache, ctx, self)
-
-    def prefill_scores(self, q, k, v, positions, end, mass, ctx: LayerContext, caps: Capacities) -> jax.Array:
-        """Token scores [B, Hkv, T] from q [B, T, H, D], k, v [B, T, Hkv, D], the context end [B] and the
-        context's column mass [B, Hkv, G, T]."""
-        raise NotImplementedError
-
-    def decode_mass(self, probs: jax.Array) -> jax.Array:
-        """Per-head statistic of one decode query: probs [B, Hkv, G, N] -> [B, Hkv, N] (group mean)."""
-        return probs.mean(axis=2)
-
-    def slot_mass(self, own: jax.Array, per_head: int) -> jax.Array:
-        """Decode statistic of each pool slot from its owner head's group-mean attention own [B, NP]."""
-        return own
-
-    def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
-        """Running score after one decode step (cumulative)."""
-        return score + mass
-
-    def candidate_score(self, ring_score: jax.Array, k: jax.Array) -> jax.Array:
-        """Score [Hkv, K] of tokens leaving the recent region: ring_score [Hkv, K], k [Hkv, K, D]."""
-        return ring_score
+        return pool_decode_layer(q, k, v, layer_cache, ctx, self.ranking)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,16 +184,18 @@ class H2O(PoolMethod):
 
     Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs", arXiv 2306.14048.
     Score of a token per KV head = attention it received from every query so far (prefill rows included),
-    mean over the group's query heads (GQA); ``recent`` = 0.5 of the budget's tokens (heavy = recent ratio);
-    token-level (W = 1), one eviction per decode step (Ω = 1), per-head selection.
+    mean over the group's query heads (GQA; the ranking "cumulative-all"); ``recent`` = 0.5 of the budget's
+    tokens (heavy = recent ratio); token-level (W = 1), one eviction per decode step (Ω = 1), per-head
+    selection.
     """
 
     name: str = "h2o"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0.5, omega=1, q_frac=0.0, layout="pool")
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
 
-    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        return mass.mean(axis=2)
+    @property
+    def ranking(self) -> CumulativeAllRanking:
+        return CumulativeAllRanking()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,27 +205,16 @@ class TOVA(PoolMethod):
     Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104. After the prompt the cache keeps the
     tokens the last prompt query attends to most (head mean); at every decode step the score is replaced by
     the current query's head-mean attention and the lowest token is dropped (Ω = 1, no recent region, no
-    sinks). All heads keep the same tokens (one head-averaged score, stored per KV head).
+    sinks). All heads keep the same tokens (one head-averaged score, stored per KV head: the ranking "tova").
     """
 
     name: str = "tova"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, omega=1, q_frac=0.0, layout="pool")
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
 
-    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        probs = observation_attention(q, k, end, 1, ctx.cfg.sliding_window)[:, :, :, 0]  # [B, Hkv, G, T]
-        return jnp.broadcast_to(probs.mean(axis=(1, 2))[:, None], (k.shape[0], k.shape[2], k.shape[1]))
-
-    def decode_mass(self, probs):  # ring slots: the same token for every head
-        return jnp.broadcast_to(probs.mean(axis=(1, 2))[:, None], probs.shape[:2] + probs.shape[3:])
-
-    def slot_mass(self, own, per_head):  # slot j of every head holds the same token: average across heads
-        b, n = own.shape
-        mean = own.reshape(b, n // per_head, per_head).mean(axis=1)
-        return jnp.tile(mean, (1, n // per_head))
-
-    def update(self, score, mass):
-        return mass
+    @property
+    def ranking(self) -> TOVARanking:
+        return TOVARanking()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,8 +228,9 @@ class KeyNorm(PoolMethod):
     name: str = "keynorm"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, q_frac=0.0, layout="pool", static=True)
 
-    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        return -jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1)).swapaxes(1, 2)
+    @property
+    def ranking(self) -> KeyNormRanking:
+        return KeyNormRanking()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,8 +249,9 @@ class SnapKV(PoolMethod):
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "kernel")
     protects_recent: ClassVar[bool] = True
 
-    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        return snapkv_scores(q, k, end, self.n_obs, self.kernel, ctx.cfg.sliding_window)
+    @property
+    def ranking(self) -> SnapKVRanking:
+        return SnapKVRanking(n_obs=self.n_obs, kernel=self.kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,12 +268,9 @@ class PyramidKV(SnapKV):
     beta: float = 20.0
     options: ClassVar[tuple[str, ...]] = (*SnapKV.options, "beta")
 
-    def layer_caps(self, per_head, num_layers, prefix):
-        for mean in range(per_head, 0, -1):
-            caps = pyramid_layer_caps(float(mean), num_layers, prefix, self.beta)
-            if max(caps) <= per_head:
-                return caps
-        return tuple(0 for _ in range(num_layers))
+    @property
+    def allocation(self) -> Allocation:
+        return Allocation(pyramid_beta=self.beta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,13 +279,15 @@ class AdaKV(SnapKV):
 
     Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation", arXiv 2407.11550
     (kvpress ``AdaKVPress``). The layer's ``Hkv * C`` slots go to the top scores over all heads, after each
-    head has secured its top ``int(alpha_safeguard * C)``; each slot records its owner head, attention reads
-    only a head's own slots (real per-head storage, no masking of a dense cache).
+    head has secured its top ``int(0.2 * C)`` (``Allocation.safeguard``); each slot records its owner head,
+    attention reads only a head's own slots (real per-head storage, no masking of a dense cache).
     """
 
     name: str = "adakv"
-    adaptive: ClassVar[bool] = True
-    alpha_safeguard: ClassVar[float] = 0.2
+
+    @property
+    def allocation(self) -> Allocation:
+        return Allocation(adaptive=True, safeguard=0.2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,11 +306,13 @@ class CriticalKV(SnapKV):
     epsilon: float = 1e-4
     options: ClassVar[tuple[str, ...]] = (*SnapKV.options, "first_stage_ratio", "epsilon")
 
-    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        base = snapkv_scores(q, k, end, self.n_obs, self.kernel, ctx.cfg.sliding_window)
-        eligible = (positions >= caps.sink) & (positions < (end - caps.recent)[:, None])
-        return criticalkv_scores(
-            base, v, ctx.wo, eligible, caps.pool_per_head, self.first_stage_ratio, self.epsilon
+    @property
+    def ranking(self) -> CriticalKVRanking:
+        return CriticalKVRanking(
+            n_obs=self.n_obs,
+            kernel=self.kernel,
+            first_stage_ratio=self.first_stage_ratio,
+            epsilon=self.epsilon,
         )
 
 
@@ -350,20 +336,9 @@ class ReSTKV(PoolMethod):
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "alpha", "kernel", "scale")
     protects_recent: ClassVar[bool] = True
 
-    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        return restkv_scores(
-            q,
-            k,
-            v,
-            end,
-            ctx.wo,
-            self.n_obs,
-            self.alpha,
-            ctx.cfg.sliding_window,
-            caps.pool_per_head,
-            self.kernel,
-            self.scale,
-        )
+    @property
+    def ranking(self) -> RestKVRanking:
+        return RestKVRanking(n_obs=self.n_obs, alpha=self.alpha, kernel=self.kernel, scale=self.scale)
 
 
 BASELINES: dict[str, Any] = {

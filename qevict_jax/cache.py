@@ -28,6 +28,7 @@ from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.quant import QuantizedWindows
 from qevict_jax.config import Capacities
+from qevict_jax.kv import from_words, to_words
 
 
 @struct.dataclass
@@ -74,13 +75,26 @@ class TieredCache(SinkRingCache):
     RW = RING / W, NF = F slots, NL = ledger slots."""
 
     loc_score: jax.Array  # [B, RW] f32 score of the window in each ring window slot (window w -> w % RW)
-    fp_k: jax.Array  # [B, Hkv, NF, W, D] F tier, post-RoPE
-    fp_v: jax.Array  # [B, Hkv, NF, W, D]
+    fp_kw: jax.Array  # [B, Hkv, NF, W, D] F tier, post-RoPE, in the storage form of the KV dtype (``fp_k``)
+    fp_vw: jax.Array  # [B, Hkv, NF, W, D] (``fp_v``)
     fp_win: jax.Array  # [B, NF] int32 window id in each F slot, -1 = empty
     fp_score: jax.Array  # [B, NF] f32
     ledger: Ledger  # the Q tier and the dormant codes of promoted windows
     promotions: jax.Array  # [B] int32 Q -> F transitions
     demotions: jax.Array  # [B] int32 F -> Q transitions
+
+    # The F tier is stored as 16-bit words (``kv.to_words``, as Full-KV's cache): routing scatters windows
+    # into it, and XLA's CPU backend converts a whole bf16 buffer to f32 and back around every scatter.
+
+    @property
+    def fp_k(self) -> jax.Array:
+        """[B, Hkv, NF, W, D] the F tier's keys in the KV dtype (that of the ring)."""
+        return from_words(self.fp_kw, self.local_k.dtype)
+
+    @property
+    def fp_v(self) -> jax.Array:
+        """[B, Hkv, NF, W, D] the F tier's values in the KV dtype."""
+        return from_words(self.fp_vw, self.local_v.dtype)
 
 
 @struct.dataclass
@@ -145,8 +159,8 @@ def init_cache(
     return TieredCache(
         **common,
         loc_score=z((caps.ring_windows,), jnp.float32),
-        fp_k=z((hkv, nf, w, d), dtype),
-        fp_v=z((hkv, nf, w, d), dtype),
+        fp_kw=to_words(z((hkv, nf, w, d), dtype), dtype),
+        fp_vw=to_words(z((hkv, nf, w, d), dtype), dtype),
         fp_win=jnp.full((L, b, nf), -1, jnp.int32),
         fp_score=z((nf,), jnp.float32),
         ledger=Ledger(

@@ -27,9 +27,10 @@ from models.model import LayerContext
 from qevict_jax.baselines import PoolMethod
 from qevict_jax.cache import TieredCache
 from qevict_jax.config import CacheConfig
-from qevict_jax.gates import gate_params, log_beta, token_scores
+from qevict_jax.gates import gate_params, log_beta
+from qevict_jax.pool import Allocation, pool_prefill_layer
 from qevict_jax.qevict import QEVICT_OPTIONS, QEvict
-from qevict_jax.scoring import GATE_FLOOR, GateRanking, window_ages
+from qevict_jax.scoring import GateRanking, window_ages
 from qevict_jax.window import prefill_layer
 
 
@@ -55,8 +56,17 @@ class GatePool(PoolMethod):
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "gates")
     protects_recent: ClassVar[bool] = True
 
-    def prefill_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        return token_scores(layer_log_beta(self.gates, ctx), positions, end)
+    @property
+    def ranking(self) -> GateRanking:
+        return GateRanking()
+
+    def prefill_attend(self, q, k, v, layer_cache, ctx: LayerContext):
+        """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache): the
+        gates ranking with the layer's log beta."""
+        ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx))
+        return pool_prefill_layer(
+            q, k, v, layer_cache, ctx, ranking, self.allocation, self.cache.prefill_chunk
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +75,10 @@ class GatePoolGlobal(GatePool):
     safeguard): a head whose tokens have high retention gets more of the layer's slots."""
 
     name: str = "gates-global"
-    adaptive: ClassVar[bool] = True
-    alpha_safeguard: ClassVar[float] = 0.0
+
+    @property
+    def allocation(self) -> Allocation:
+        return Allocation(adaptive=True, safeguard=0.0)
 
 
 # ---------------------------------------------------------------------------------------------- QEvict
@@ -128,9 +140,7 @@ class GateQEvict(QEvict):
 
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
-        lb = layer_log_beta(self.gates, ctx).mean(axis=-1)  # [B, T] head mean
-        lb = jnp.where(ctx.positions < layer_cache.length[:, None], lb, GATE_FLOOR)
-        ranking = GateRanking(log_beta=lb)
+        ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx))
         out, cache = prefill_layer(
             q, k, v, layer_cache, ctx, ranking, self.cache.promotion, self.cache.prefill_chunk
         )

@@ -87,13 +87,6 @@ def retention_bias(lb: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Arr
     return (age[:, None] * lb.transpose(0, 2, 1)[:, :, None, :])[:, :, None]
 
 
-def token_scores(lb: jax.Array, positions: jax.Array, t: jax.Array) -> jax.Array:
-    """Inference score ``(t - pos_i) log beta_i`` [B, Hkv, T] (higher = keep) of tokens at positions [B, T]
-    with log beta lb [B, T, Hkv], at time t [B] (the context end)."""
-    age = (t[:, None] - positions).astype(jnp.float32)
-    return age[:, None, :] * lb.transpose(0, 2, 1)
-
-
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 

@@ -65,6 +65,10 @@ class KVMethod(Protocol):
     def reserve(self, cache: Any, total_tokens: int) -> Any: ...
 
 
+DEFAULT_KV_DTYPE = jnp.bfloat16
+"""The KV cache is stored in a 16-bit dtype whatever the compute dtype (DESIGN §3), as deployments do."""
+
+
 def full_kv_bytes(model_cfg: ModelConfig, num_tokens: int, dtype: Any, batch: int = 1) -> int:
     """Bytes of the uncompressed cache of ``num_tokens`` tokens: L * 2 * Hkv * D * T * itemsize * B."""
     return batch * num_tokens * model_cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
@@ -80,7 +84,8 @@ def to_words(x: jax.Array, dtype: Any) -> jax.Array:
 
     XLA's CPU backend rewrites a scatter or dynamic-update-slice on a 16-bit float buffer into f32 and back,
     converting the *whole* buffer (17 ms per write into SmolLM2's 2K stacked cache, against microseconds on
-    uint16 words): the uncompressed cache, written one token per layer per step, is kept as words.
+    uint16 words): the uncompressed cache, written one token per layer per step, and QEvict's F tier
+    (``cache.TieredCache.fp_kw``), into which routing scatters windows, are kept as words.
     """
     x = x.astype(dtype)
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(dtype).itemsize == 2 else x
@@ -169,7 +174,7 @@ class FullKV:
 
     def prefill_attend_slice(self, q, k, v, cache: FullCache, ctx: LayerContext):
         """``prefill_attend`` on one layer's slice of the cache ([B, Hkv, C, D] fields), for a shared prefill
-        (``generate.Fanout``) whose layer scan hands every member its slice and the prompt attention."""
+        (``prefill.Fanout``) whose layer scan hands every member its slice and the prompt attention."""
         if ctx.prompt_attention is not None:
             out = ctx.prompt_attention[0]
         else:

@@ -1,11 +1,14 @@
 """The token-pool engine of the per-head eviction baselines (H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV,
 CriticalKV, ReST-KV): sinks, the ring, and a pool of token slots each owned by one KV head, so that every
 head keeps its own tokens (uniform, layer-varying or head-adaptive budgets) while the memory is the pool
-itself, sized by the budget. A *policy* (``qevict_jax.baselines``) supplies the scores.
+itself, sized by the budget. A policy (``qevict_jax.baselines``) is a ranking (``scoring.TokenRanking``: the
+per-head token scores of the prompt and their decode-time update, the same objects the window engine ranks
+its windows with) and an allocation rule (``Allocation``: how the slots go to the heads and the layers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -14,6 +17,7 @@ from flax import struct
 
 from models.model import LayerContext
 from pallas_kernels.reference import combine_partials, dense_partial
+from qevict_jax.budget import pyramid_layer_caps
 from qevict_jax.cache import (
     PoolCache,
     fill_sink_and_ring,
@@ -22,7 +26,8 @@ from qevict_jax.cache import (
     shared_prompt_attention,
     write_token,
 )
-from qevict_jax.routing import _rank, assign_slots, ring_candidates
+from qevict_jax.routing import _rank, assign_slots, mark_routed, ring_candidates
+from qevict_jax.scoring import TokenRanking, head_top_mask
 
 
 class PoolAttention(struct.PyTreeNode):
@@ -66,66 +71,88 @@ def pool_attention(q: jax.Array, q_pos: jax.Array, cache: PoolCache, sliding_win
     return PoolAttention(out=out, pool=probs[1], ring=probs[2])
 
 
-def select_pool(
-    scores: jax.Array,
-    eligible: jax.Array,
-    per_head: int,
-    layer_cap: jax.Array | int,
-    adaptive: bool,
-    alpha_safeguard: float = 0.2,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Choose the pool content from token scores [B, Hkv, T] (higher = keep) over ``eligible`` [B, T].
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """How a layer's pool slots go to its KV heads, and the pool's fill per layer (static, hashable).
 
-    Uniform (``adaptive=False``): each head keeps its top ``layer_cap`` (<= per_head) tokens in its own
-    ``per_head`` slots (slot = head * per_head + rank). Adaptive (Ada-KV, arXiv 2407.11550): every head
-    first secures its top ``int(alpha_safeguard * per_head)`` tokens, then the layer's ``Hkv * per_head``
-    slots go to the top scores over all heads together; a slot records its owner head.
-    Returns (position [B, NP] int32, -1 = empty; owner head [B, NP] int32; score [B, NP] f32).
+    adaptive=False: each head keeps its top ``layer_cap`` (<= per_head) tokens in its own ``per_head`` slots
+    (slot = head * per_head + rank). adaptive=True (Ada-KV, arXiv 2407.11550): every head first secures its
+    top ``int(safeguard * per_head)`` tokens, then the layer's ``Hkv * per_head`` slots go to the top scores
+    over all heads together; a slot records its owner head. pyramid_beta: PyramidKV's layer-varying fill
+    (``budget.pyramid_layer_caps`` of steepness beta), else every layer fills ``per_head`` slots per head.
     """
-    b, hkv, t = scores.shape
-    s = jnp.where(eligible[:, None, :], scores.astype(jnp.float32), -jnp.inf)
-    k = min(per_head, t)
-    if not adaptive:
-        vals, idx = jax.lax.top_k(s, k)  # [B, Hkv, k]
-        ok = (jnp.arange(k) < layer_cap)[None, None] & (vals > -jnp.inf)
-        pos = jnp.where(ok, idx, -1).astype(jnp.int32)
-        head = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[None, :, None], pos.shape)
-        pad = per_head - k
-        pos = jnp.pad(pos, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
-        head = jnp.pad(head, ((0, 0), (0, 0), (0, pad)), mode="edge") if pad else head
-        vals = jnp.pad(jnp.where(ok, vals, 0.0), ((0, 0), (0, 0), (0, pad)))
-        return pos.reshape(b, -1), head.reshape(b, -1), vals.reshape(b, -1)
-    n_safe = int(per_head * alpha_safeguard)
-    forced = s
-    if n_safe:
-        _, top = jax.lax.top_k(s, min(n_safe, t))
-        hit = (
-            jnp.zeros(s.shape, bool)
-            .at[jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None], top]
-            .set(True)
-        )
-        forced = jnp.where(hit & (s > -jnp.inf), jnp.finfo(jnp.float32).max, s)
-    total = hkv * per_head
-    kk = min(total, hkv * t)
-    vals, idx = jax.lax.top_k(forced.reshape(b, hkv * t), kk)
-    ok = vals > -jnp.inf
-    head = (idx // t).astype(jnp.int32)
-    pos = jnp.where(ok, idx % t, -1).astype(jnp.int32)
-    true_score = jnp.take_along_axis(s.reshape(b, hkv * t), idx, axis=1)
-    pad = total - kk
-    pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
-    head = jnp.pad(head, ((0, 0), (0, pad)))
-    return pos, head, jnp.pad(jnp.where(ok, true_score, 0.0), ((0, 0), (0, pad)))
+
+    adaptive: bool = False
+    safeguard: float = 0.2
+    pyramid_beta: float | None = None
+
+    def layer_caps(self, per_head: int, num_layers: int, prefix: int) -> tuple[int, ...]:
+        """Per-layer pool fill; () = every layer fills ``per_head`` slots per head. PyramidKV: the largest
+        mean per-layer budget whose pyramid fits the ``per_head`` slots (``prefix``: the prompt tokens)."""
+        if self.pyramid_beta is None:
+            return ()
+        for mean in range(per_head, 0, -1):
+            caps = pyramid_layer_caps(float(mean), num_layers, prefix, self.pyramid_beta)
+            if max(caps) <= per_head:
+                return caps
+        return tuple(0 for _ in range(num_layers))
+
+    def select(
+        self, scores: jax.Array, eligible: jax.Array, per_head: int, layer_cap: jax.Array | int
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Choose the pool content from token scores [B, Hkv, T] (higher = keep) over ``eligible`` [B, T].
+
+        Returns (position [B, NP] int32, -1 = empty; owner head [B, NP] int32; score [B, NP] f32).
+        """
+        b, hkv, t = scores.shape
+        s = jnp.where(eligible[:, None, :], scores.astype(jnp.float32), -jnp.inf)
+        k = min(per_head, t)
+        if not self.adaptive:
+            vals, idx = jax.lax.top_k(s, k)  # [B, Hkv, k]
+            ok = (jnp.arange(k) < layer_cap)[None, None] & (vals > -jnp.inf)
+            pos = jnp.where(ok, idx, -1).astype(jnp.int32)
+            head = jnp.broadcast_to(jnp.arange(hkv, dtype=jnp.int32)[None, :, None], pos.shape)
+            pad = per_head - k
+            pos = jnp.pad(pos, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+            head = jnp.pad(head, ((0, 0), (0, 0), (0, pad)), mode="edge") if pad else head
+            vals = jnp.pad(jnp.where(ok, vals, 0.0), ((0, 0), (0, 0), (0, pad)))
+            return pos.reshape(b, -1), head.reshape(b, -1), vals.reshape(b, -1)
+        n_safe = int(per_head * self.safeguard)
+        forced = s
+        if n_safe:  # every head's top n_safe tokens first
+            forced = jnp.where(head_top_mask(s, n_safe), jnp.finfo(jnp.float32).max, s)
+        total = hkv * per_head
+        kk = min(total, hkv * t)
+        vals, idx = jax.lax.top_k(forced.reshape(b, hkv * t), kk)
+        ok = vals > -jnp.inf
+        head = (idx // t).astype(jnp.int32)
+        pos = jnp.where(ok, idx % t, -1).astype(jnp.int32)
+        true_score = jnp.take_along_axis(s.reshape(b, hkv * t), idx, axis=1)
+        pad = total - kk
+        pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
+        head = jnp.pad(head, ((0, 0), (0, pad)))
+        return pos, head, jnp.pad(jnp.where(ok, true_score, 0.0), ((0, 0), (0, pad)))
+
+
+UNIFORM = Allocation()
+"""Every head its own ``pool_per_head`` slots, every layer full (SnapKV, H2O, ...)."""
 
 
 def pool_prefill_layer(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: PoolCache, ctx: LayerContext, policy: Any, chunk: int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: PoolCache,
+    ctx: LayerContext,
+    ranking: TokenRanking,
+    allocation: Allocation,
+    chunk: int,
 ) -> tuple[jax.Array, PoolCache]:
     """Prompt pass of one layer in the pool layout: q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows
     right-padded. Returns (out [B, T, H, D], cache).
 
-    The prompt (positions < ``cache.length``) is attended causally and scored by ``policy``; positions
-    ``S <= p < length - R`` compete for the pool, the last R tokens stay in the ring.
+    The prompt (positions < ``cache.length``) is attended causally and scored by ``ranking``; positions
+    ``S <= p < length - R`` compete for the pool (``allocation.select``), the last R tokens stay in the ring.
     """
     caps = cache.caps
     s = caps.sink
@@ -134,13 +161,11 @@ def pool_prefill_layer(
     lengths = cache.length
     positions = ctx.positions
     out, mass = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
-    scores = policy.prefill_scores(q, k, v, positions, lengths, mass, ctx, caps)  # [B, Hkv, T]
+    scores = ranking.prefill_token_scores(q, k, v, positions, lengths, mass, ctx, caps)  # [B, Hkv, T]
     routed = jnp.maximum(0, lengths - s - caps.recent)  # tokens leaving the ring: S <= p < S + routed
     eligible = (positions >= s) & (positions < s + routed[:, None])
     layer_cap = jnp.asarray(caps.layer_caps, jnp.int32)[ctx.layer] if caps.layer_caps else caps.pool_per_head
-    pos, head, slot_score = select_pool(
-        scores, eligible, caps.pool_per_head, layer_cap, policy.adaptive, policy.alpha_safeguard
-    )
+    pos, head, slot_score = allocation.select(scores, eligible, caps.pool_per_head, layer_cap)
     flat = head * t + jnp.clip(pos, 0, t - 1)  # [B, NP]
     kt = k.swapaxes(1, 2).reshape(b, hkv * t, -1)  # [B, Hkv*T, D]
     vt = v.swapaxes(1, 2).reshape(b, hkv * t, -1)
@@ -169,12 +194,13 @@ def pool_prefill_layer(
 
 
 def pool_decode_layer(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: PoolCache, ctx: LayerContext, policy: Any
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: PoolCache, ctx: LayerContext, ranking: TokenRanking
 ) -> tuple[jax.Array, PoolCache]:
     """One decode step in the pool layout: q [B, 1, H, D], k, v [B, 1, Hkv, D] -> (out [B, 1, H, D], cache).
 
     The token goes to the sink or the ring; attention reads sinks, pool and ring. With decode-time eviction
-    the policy's per-head attention statistic updates the slot and ring scores; every Ω steps, after the
+    each head's attention (group mean; the mean over every head when ``ranking.shared_heads``) updates the
+    slot and ring scores (``ranking.update``); every Ω steps, after the
     layer scan (``decode_route``), the tokens that left the recent region compete with each head's pool
     slots (``route_pool_row``).
     """
@@ -192,15 +218,23 @@ def pool_decode_layer(
     ring_score = jnp.where(fresh[:, None], 0.0, cache.ring_hscore)
     own = att.pool[:, :, :, 0].mean(axis=2)  # [B, Hkv, NP] group mean
     own = jnp.take_along_axis(own, cache.hp_head.astype(jnp.int32)[:, None, :], axis=1)[:, 0]  # owner's
-    slot_mass = policy.slot_mass(own, caps.pool_per_head)  # [B, NP]
+    ring_probs = att.ring[:, :, :, 0]  # [B, Hkv, G, RING]
+    if ranking.shared_heads:  # every head keeps the same tokens: slot j of each head holds one token
+        ring_mass = jnp.broadcast_to(
+            ring_probs.mean(axis=(1, 2))[:, None], ring_probs.shape[:2] + ring_probs.shape[3:]
+        )
+        n, pph = own.shape[1], caps.pool_per_head
+        slot_mass = jnp.tile(own.reshape(-1, n // pph, pph).mean(axis=1), (1, n // pph))
+    else:
+        ring_mass, slot_mass = ring_probs.mean(axis=2), own
     cache = cache.replace(
-        hp_score=jnp.where(cache.hp_pos >= 0, policy.update(cache.hp_score, slot_mass), 0.0),
-        ring_hscore=policy.update(ring_score, policy.decode_mass(att.ring[:, :, :, 0])),
+        hp_score=jnp.where(cache.hp_pos >= 0, ranking.update(cache.hp_score, slot_mass), 0.0),
+        ring_hscore=ranking.update(ring_score, ring_mass),
     )
     return att.out, cache
 
 
-def route_pool_row(row: Any, policy: Any) -> Any:
+def route_pool_row(row: Any, ranking: TokenRanking) -> Any:
     """Decode-time eviction for one batch row of the pool layout (uniform per-head slots).
 
     The tokens that left the recent region (``ring_candidates`` with W = 1) compete, head by head, with
@@ -213,7 +247,8 @@ def route_pool_row(row: Any, policy: Any) -> Any:
     hkv, _, d = row.local_k.shape
     cand_k = row.local_k[:, ring_slot]  # [Hkv, K, D]
     cand_v = row.local_v[:, ring_slot]
-    cand_score = policy.candidate_score(row.ring_hscore[:, ring_slot], cand_k)  # [Hkv, K]
+    # each candidate is a window of one token of one KV head: k [Hkv, K, 1, 1, D]
+    cand_score = ranking.candidate_score(row.ring_hscore[:, ring_slot], cand_k[:, :, None, None])  # [Hkv, K]
     cand_pos = caps.sink + cand_win
 
     def per_head(slot_pos, slot_score, c_score):
@@ -232,13 +267,11 @@ def route_pool_row(row: Any, policy: Any) -> Any:
     slot = (jnp.arange(hkv)[:, None] * pph + jnp.where(target < pph, target, hkv * pph)).reshape(-1)
     hp_k = row.hp_k.at[slot].set(cand_k.reshape(-1, d).astype(row.hp_k.dtype), mode="drop")
     hp_v = row.hp_v.at[slot].set(cand_v.reshape(-1, d).astype(row.hp_v.dtype), mode="drop")
-    new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
-    return row.replace(
+    row = row.replace(
         hp_k=hp_k,
         hp_v=hp_v,
         hp_pos=pos.reshape(-1),
         hp_score=score.reshape(-1),
-        next_win=new_next,
-        routing_events=row.routing_events + 1,
         evictions=row.evictions + gone.sum(),
     )
+    return mark_routed(row, cand_win)

@@ -37,9 +37,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models.attention import apply_rope
+from models.attention import rope_cos_sin, rotate_half
 from pallas_kernels.quant import QuantizedWindows
 from pallas_kernels.quant import quantize_windows as quantize_pre_rope
+from qevict_jax.kv import from_words, to_words
 
 
 class RoutingPlan(NamedTuple):
@@ -206,11 +207,9 @@ def rotate_windows(x: jax.Array, starts: jax.Array, inv_freq: jax.Array, sign: i
 
     sign=+1 rotates (pre-RoPE -> post-RoPE), sign=-1 un-rotates. Returns [Hkv, N, W, D] float32.
     """
-    hkv, n, w, d = x.shape
-    pos = starts[:, None] + jnp.arange(w, dtype=jnp.int32)  # [N, W]
-    tok = x.astype(jnp.float32).transpose(1, 2, 0, 3).reshape(n * w, hkv, d)
-    out = apply_rope(tok, sign * pos.reshape(n * w), inv_freq)
-    return out.reshape(n, w, hkv, d).transpose(2, 0, 1, 3)
+    pos = starts[:, None] + jnp.arange(x.shape[2], dtype=jnp.int32)  # [N, W]
+    cos, sin = rope_cos_sin(sign * pos, inv_freq)  # [N, W, D/2], shared by the heads (no transpose of x)
+    return rotate_half(x, cos, sin)
 
 
 def quantize_windows(
@@ -249,14 +248,16 @@ def apply_plan(
     caps = row.caps
     s, w, bits = caps.sink, caps.window, caps.bits
     nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
-    fp_k, fp_v = row.fp_k, row.fp_v
+    dtype = row.local_k.dtype  # the KV dtype: the F tier is stored as its words (``TieredCache.fp_kw``)
+    fp_k, fp_v = row.fp_kw, row.fp_vw
     codes = row.ledger.codes
     m = nf if bound is None else min(bound, nf)
     if nl and m:
         # sources are computed from the old state before anything is overwritten
         fresh = compact(plan.f2q_target < nl, m) if bound is not None else jnp.arange(nf, dtype=jnp.int32)
         fsel = jnp.minimum(fresh, nf - 1)
-        f_entries = quantize_windows(fp_k[:, fsel], fp_v[:, fsel], s + row.fp_win[fsel] * w, inv_freq, bits)
+        f_k, f_v = from_words(fp_k[:, fsel], dtype), from_words(fp_v[:, fsel], dtype)
+        f_entries = quantize_windows(f_k, f_v, s + row.fp_win[fsel] * w, inv_freq, bits)
         f_target = jnp.where(fresh < nf, plan.f2q_target[fsel], nl)
         # promotions: F slot f receives ledger slot src[f] (NL = none)
         src = (
@@ -267,17 +268,17 @@ def apply_plan(
         dest = compact(src < nl, m)  # [m] F slots receiving a promoted window (NF = none)
         lsel = jnp.minimum(src[jnp.minimum(dest, nf - 1)], nl - 1)
         lk, lv = dequantize_windows(codes.take(lsel), s + row.ledger.win[lsel] * w, inv_freq, bits)
-        fp_k = fp_k.at[:, dest].set(lk.astype(fp_k.dtype), mode="drop")
-        fp_v = fp_v.at[:, dest].set(lv.astype(fp_v.dtype), mode="drop")
+        fp_k = fp_k.at[:, dest].set(to_words(lk, dtype), mode="drop")
+        fp_v = fp_v.at[:, dest].set(to_words(lv, dtype), mode="drop")
         codes = codes.put(f_target, f_entries)
     if nf:
-        fp_k = fp_k.at[:, plan.c2f_target].set(cand_k.astype(fp_k.dtype), mode="drop")
-        fp_v = fp_v.at[:, plan.c2f_target].set(cand_v.astype(fp_v.dtype), mode="drop")
+        fp_k = fp_k.at[:, plan.c2f_target].set(to_words(cand_k, dtype), mode="drop")
+        fp_v = fp_v.at[:, plan.c2f_target].set(to_words(cand_v, dtype), mode="drop")
     if nl:
         codes = codes.put(plan.c2q_target, quantize_windows(cand_k, cand_v, s + cand_win * w, inv_freq, bits))
     return row.replace(
-        fp_k=fp_k,
-        fp_v=fp_v,
+        fp_kw=fp_k,
+        fp_vw=fp_v,
         fp_win=plan.fp_win,
         fp_score=plan.fp_score.astype(row.fp_score.dtype),
         ledger=row.ledger.replace(
@@ -298,9 +299,11 @@ def plan_counts(plan: RoutingPlan, nl: int) -> jax.Array:
     return jnp.maximum(fresh, plan.promotions)
 
 
-ROUTING_BOUND = 8
-"""F windows a routing event quantizes or dequantizes on its fast path (``route_stacked``). A decode event
-moves about one window per Ω steps; an event after an appended chunk may move many and takes the full path."""
+ROUTING_BOUNDS = (2, 8)
+"""The fast paths of a routing event (``route_stacked``): each quantizes and dequantizes at most this many F
+windows per row. A decode event moves one or two windows in a row (measured on SmolLM2 at 2K: the most of any
+row was 1-2 in 14 of 16 events, 4 in the other two); an event after an appended chunk may move many and takes
+the full path."""
 
 
 def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
@@ -346,7 +349,12 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, jax.
 
 def finish_row(row: Any, plan, cand_k, cand_v, cand_win, inv_freq: jax.Array, bound: int | None) -> Any:
     """``apply_plan``, then mark the candidates routed and count the event."""
-    row = apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq, bound)
+    return mark_routed(apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq, bound), cand_win)
+
+
+def mark_routed(row: Any, cand_win: jax.Array) -> Any:
+    """One row after a routing event over candidates cand_win [K] (-1 = none): they left the ring
+    (``next_win`` past them) and the event is counted. Either engine's row (``SinkRingCache``)."""
     new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
     return row.replace(next_win=new_next, routing_events=row.routing_events + 1)
 
@@ -359,17 +367,19 @@ def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> A
 def route_stacked(cache: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
     """One routing event of every layer and row of a stacked ``TieredCache`` ([L, B] leading axes).
 
-    Plans every row first; when no row quantizes or dequantizes more than ``ROUTING_BOUND`` F windows (the
-    usual decode event), the data moves on the bounded path, else on the full one (``lax.cond`` on the
-    whole cache, outside the vmaps, so only one path runs). Both give the same cache.
+    Plans every row first; the data then moves on the smallest path of ``ROUTING_BOUNDS`` that holds every
+    row's quantizations and dequantizations of F windows (``plan_counts``), else on the full one
+    (``lax.switch`` on the whole cache, outside the vmaps, so only one path runs). Every path gives the same
+    cache.
     """
     rows = lambda f: jax.vmap(jax.vmap(f))
     plan, cand_k, cand_v, cand_win = rows(lambda r: plan_row(r, ranking, promotion))(cache)
-    fits = jnp.all(plan_counts(plan, cache.caps.nl) <= ROUTING_BOUND)
+    most = jnp.max(plan_counts(plan, cache.caps.nl))
+    path = jnp.sum(most > jnp.asarray(ROUTING_BOUNDS, jnp.int32))  # index of the first bound that holds
 
-    def move(bound):
-        return rows(lambda r, p, ck, cv, cw: finish_row(r, p, ck, cv, cw, inv_freq, bound))(
+    def mover(bound):
+        return lambda: rows(lambda r, p, ck, cv, cw: finish_row(r, p, ck, cv, cw, inv_freq, bound))(
             cache, plan, cand_k, cand_v, cand_win
         )
 
-    return jax.lax.cond(fits, lambda: move(ROUTING_BOUND), lambda: move(None))
+    return jax.lax.switch(path, [mover(b) for b in (*ROUTING_BOUNDS, None)])

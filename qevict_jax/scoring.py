@@ -1,29 +1,41 @@
-"""Window ranking functions behind one interface (DESIGN §5-§6; QEvict Appendix J).
+"""Rankings behind one interface, shared by both cache engines (DESIGN §5-§6; QEvict Appendix J).
 
-A window's score is a running statistic of the head-mean attention mass it receives (or, for "keynorm", a
-static function of its keys); higher = more important. Every ranking provides:
+A ranking says how important a kept entry is (higher = keep) and how that changes while decoding. Every
+ranking (``ScoreDynamics``) provides:
 
-- ``update(score, mass)``: one decode step, ``mass`` = head-mean attention mass of each window this step;
-- ``prefill_window_scores(...)``: the score of every prompt window after the prompt pass;
-- ``candidate_score(ring_score, k_window)``: the score of a window when it leaves the recent region.
+- ``update(score, mass)``: one decode step, ``mass`` = the attention mass the entry received this step;
+- ``candidate_score(ring_score, k_window)``: the score of an entry when it leaves the recent region;
+- ``shared_heads``: whether every KV head ranks by one head-averaged statistic (TOVA);
+
+and one or both of the prompt-time scores:
+
+- ``prefill_window_scores(...)`` [B, NW]: head-mean score of every prompt window, for the window engine
+  (``qevict_jax.window``: QEvict and its variants) — every ``Ranking``;
+- ``prefill_token_scores(...)`` [B, Hkv, T]: per-KV-head score of every prompt token, for the token pool
+  (``qevict_jax.pool``: the per-head eviction baselines, whose policy is one of these rankings plus an
+  allocation rule, ``pool.Allocation``) — the rankings marked *token* below (``TokenRanking``).
 
 Rankings: "cumulative" (sum of mass, initialized from the observation window: the last ``n_obs`` prompt
 queries, as SnapKV and the paper's prompt attention do; the default), "cumulative-all" (the same sum over
-*every* prompt query, H2O-style: an ablation), "decayed" (score <- decay * score + mass), "pnorm" (sum of
-mass^p; rank-equivalent to the p-norm of the window's mass over queries), "restkv" (ReST-KV output-change
-score at prefill, then cumulative), "keynorm" (minus the mean key norm: low key norm = important;
-independent of attention), "gates" (learned retention gates, ``GateRanking``; independent of attention).
+*every* prompt query, H2O-style: an ablation; *token*: H2O), "decayed" (score <- decay * score + mass),
+"pnorm" (sum of mass^p; rank-equivalent to the p-norm of the window's mass over queries), "restkv" (ReST-KV
+output-change score at prefill, then cumulative; *token*: ReST-KV), "keynorm" (minus the mean key norm: low
+key norm = important; independent of attention; *token*: key-norm), "gates" (learned retention gates,
+``GateRanking``; independent of attention; *token*: TRIM-KV), "tova" (the current query's attention, every
+head alike; *token*: TOVA). Token only: SnapKV's pooled observation attention (``SnapKVRanking``) and
+CriticalKV's value-aware two-stage selection over it (``CriticalKVRanking``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from models.attention import NEG_INF, attention_mask, grouped_scores
+from models.model import LayerContext
 
 
 def window_sums(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:
@@ -35,10 +47,14 @@ def window_sums(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.A
     return body.reshape(x.shape[0], num_windows, window).sum(-1)
 
 
+def key_norms(k: jax.Array) -> jax.Array:
+    """L2 norm of each key: k [..., D] -> [...] f32."""
+    return jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1))
+
+
 def key_norm_score(k: jax.Array) -> jax.Array:
     """Minus the mean L2 norm of the keys of a window: k [..., Hkv, W, D] -> [...] f32."""
-    norms = jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1))
-    return -jnp.mean(norms, axis=(-1, -2))
+    return -jnp.mean(key_norms(k), axis=(-1, -2))
 
 
 def observation_mass(
@@ -67,9 +83,57 @@ def observation_mass(
 
 
 @dataclasses.dataclass(frozen=True)
-class Ranking:
+class ScoreDynamics:
+    """How a kept entry's score evolves while decoding, in both engines (cumulative here; a ranking
+    overrides what differs). Static and hashable.
+
+    An entry is a window (window engine: masses are head means) or one KV head's token (token pool: a token
+    is a window of W = 1 of one head, masses are the head's group mean, or the mean over every head when
+    ``shared_heads``).
+    """
+
+    shared_heads: ClassVar[bool] = False
+
+    def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
+        """One decode step: score [...] f32, mass [...] this step's attention mass of each entry -> new score."""
+        return score + mass
+
+    def candidate_score(self, ring_score: jax.Array, k_window: jax.Array) -> jax.Array:
+        """Score of an entry leaving the ring: ring_score [...], k_window [..., Hkv, W, D] -> [...]."""
+        return ring_score
+
+
+class TokenRanking(Protocol):
+    """What the token pool (``qevict_jax.pool``) needs of a ranking: its dynamics and per-head token scores."""
+
+    shared_heads: ClassVar[bool]
+
+    def update(self, score: jax.Array, mass: jax.Array) -> jax.Array: ...
+
+    def candidate_score(self, ring_score: jax.Array, k_window: jax.Array) -> jax.Array: ...
+
+    def prefill_token_scores(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        end: jax.Array,
+        mass: jax.Array,
+        ctx: LayerContext,
+        caps: Any,
+    ) -> jax.Array:
+        """Token scores [B, Hkv, T] (higher = keep) of a prompt pass: q [B, T, H, D], k, v [B, T, Hkv, D]
+        (post-RoPE), positions [B, T], the context end [B], the column mass [B, Hkv, G, T] (the attention
+        each key received from every valid query), the layer (``ctx``: W_O, sliding window, hidden states)
+        and the pool's ``Capacities`` (``caps``: sinks, recent region, slots per head)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranking(ScoreDynamics):
     """Cumulative attention (the default ranking): the mass of the observation window's rows, then one decode
-    query row per step. Static and hashable; every ranking is a subclass overriding what differs.
+    query row per step. Every window-engine ranking is a subclass overriding what differs.
 
     n_obs: observation window (the last prompt queries) that initializes the attention-based scores; pool:
     max-pool kernel over neighbouring tokens of the observation rows (0 or 1 = none).
@@ -78,14 +142,6 @@ class Ranking:
     n_obs: int = 32
     pool: int = 0
     name: ClassVar[str] = "cumulative"
-
-    def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
-        """One decode step: score [...] f32, mass [...] head-mean window mass -> new score."""
-        return score + mass
-
-    def candidate_score(self, ring_score: jax.Array, k_window: jax.Array) -> jax.Array:
-        """Score of a window leaving the ring: ring_score [...], k_window [..., Hkv, W, D] -> [...]."""
-        return ring_score
 
     def prefill_window_scores(
         self,
@@ -127,6 +183,10 @@ class CumulativeAllRanking(Ranking):
         self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
     ):
         return window_sums(column_mass.mean(axis=(1, 2)), sink, window, num_windows)
+
+    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        """H2O: the mass every query gave each token, group mean per KV head."""
+        return mass.mean(axis=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,15 +245,22 @@ class KeyNormRanking(Ranking):
         kw = prompt_windows(k, sink, window, num_windows)  # [B, NW, W, Hkv, D]
         return key_norm_score(kw.swapaxes(2, 3))
 
+    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        """Key-norm (kvpress ``KnormPress``): minus each key's norm, per KV head."""
+        return -key_norms(k).swapaxes(1, 2)
+
 
 @dataclasses.dataclass(frozen=True)
 class RestKVRanking(Ranking):
     """ReST-KV's output-change score at prefill (``restkv_scores``, kernel-5 average pooling), head-mean,
     summed per window, for the windows that end before the observation window, rescaled per row so that
     these windows' total equals their observation-window mass; later windows keep their observation mass.
-    Cumulative at decode. ``alpha``: EMA factor over the observation rows."""
+    Cumulative at decode. ``alpha``: EMA factor over the observation rows; ``kernel``: the (smallest)
+    average-pooling kernel; ``scale``: positions per kernel step of the token pool's adaptive pooling."""
 
     alpha: float = 0.3
+    kernel: int = 5
+    scale: float = 200.0
     name: ClassVar[str] = "restkv"
 
     def prefill_window_scores(
@@ -204,7 +271,9 @@ class RestKVRanking(Ranking):
         obs_w = super().prefill_window_scores(
             q, k, lengths, column_mass, sink, window, num_windows, sliding_window
         )
-        tok = restkv_scores(q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None).mean(1)
+        tok = restkv_scores(
+            q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None, self.kernel
+        ).mean(1)
         rest_w = window_sums(tok, sink, window, num_windows)
         win_end = sink + (jnp.arange(num_windows) + 1) * window
         early = win_end[None] <= (lengths - self.n_obs)[:, None]
@@ -212,6 +281,22 @@ class RestKVRanking(Ranking):
         den = jnp.sum(jnp.where(early, rest_w, 0.0), axis=1, keepdims=True)
         scale = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
         return jnp.where(early, rest_w * scale, obs_w)
+
+    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        """ReST-KV per KV head with its adaptive pooling window for the pool's ``caps.pool_per_head`` slots."""
+        return restkv_scores(
+            q,
+            k,
+            v,
+            end,
+            ctx.wo,
+            self.n_obs,
+            self.alpha,
+            ctx.cfg.sliding_window,
+            caps.pool_per_head,
+            self.kernel,
+            self.scale,
+        )
 
 
 GATE_FLOOR = -1e9
@@ -238,8 +323,9 @@ class GateRanking(Ranking):
     for its position: exact up to W/2 positions of age). The scores in the cache hold the keys, which do
     not change with t (``update`` adds nothing); the method (``gate_methods.GateQEvict``) turns them into
     scores at the current t around a routing event and max-accumulates a new token's log beta into its ring
-    window. ``log_beta`` [B, T]: the prompt's head-mean log beta per token (``GATE_FLOOR`` past a row's
-    length), set by the method inside the traced prefill; None elsewhere.
+    window. In the token pool (TRIM-KV's own rule, the methods "gates" and "gates-global") a KV head's token
+    scores ``(t - pos) log beta`` at the prompt end t. ``log_beta`` [B, T, Hkv]: the prompt's log beta per
+    token and KV head, set by the method inside the traced prefill; None elsewhere.
     """
 
     log_beta: Any = dataclasses.field(default=None, compare=False, hash=False)
@@ -248,14 +334,25 @@ class GateRanking(Ranking):
     def update(self, score, mass):
         return score
 
+    def gates(self) -> jax.Array:
+        """log beta [B, T, Hkv] of the prompt (a clear error without learned gates)."""
+        if self.log_beta is None:
+            raise ValueError("the gates ranking needs learned gates: use the method qevict-gates (gates=DIR)")
+        return self.log_beta
+
     def prefill_window_scores(
         self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
     ):
-        if self.log_beta is None:
-            raise ValueError("the gates ranking needs learned gates: use the method qevict-gates (gates=DIR)")
-        keys = window_max(self.log_beta, sink, window, num_windows)  # [B, NW]
+        positions = jnp.arange(q.shape[1], dtype=jnp.int32)[None]
+        lb = jnp.where(positions < lengths[:, None], self.gates().mean(axis=-1), GATE_FLOOR)  # [B, T]
+        keys = window_max(lb, sink, window, num_windows)  # [B, NW]
         wins = jnp.arange(num_windows, dtype=jnp.int32)[None]
         return window_ages(wins, lengths, sink, window) * keys
+
+    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        """TRIM-KV's inference score ``(t - pos) log beta`` per KV head at the prompt end t."""
+        age = (end[:, None] - positions).astype(jnp.float32)
+        return age[:, None, :] * self.gates().transpose(0, 2, 1)
 
 
 def window_max(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:
@@ -265,6 +362,26 @@ def window_max(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Ar
     t = body.shape[1]
     body = jnp.pad(body, ((0, 0), (0, max(0, need - t))), constant_values=GATE_FLOOR)[:, :need]
     return body.reshape(x.shape[0], num_windows, window).max(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TOVARanking(Ranking):
+    """TOVA (arXiv 2401.06104): the attention of the current query, averaged over every head, replaces the
+    score at each step (``update``). At the prompt end: the last ``n_obs`` (= 1, TOVA's rule) queries' rows.
+    Every KV head ranks by the same head-mean statistic (``shared_heads``)."""
+
+    n_obs: int = 1
+    shared_heads: ClassVar[bool] = True
+    name: ClassVar[str] = "tova"
+
+    def update(self, score, mass):
+        return mass
+
+    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        """The head-mean attention rows of the last ``n_obs`` queries, summed, the same for every KV head."""
+        probs = observation_attention(q, k, end, self.n_obs, ctx.cfg.sliding_window)  # [B, Hkv, G, n, T]
+        rows = probs.sum(axis=3).mean(axis=(1, 2))  # [B, T]
+        return jnp.broadcast_to(rows[:, None], (k.shape[0], k.shape[2], k.shape[1]))
 
 
 RANKINGS: dict[str, type[Ranking]] = {
@@ -457,12 +574,45 @@ def criticalkv_scores(
     n1 = int(capacity * first_stage_ratio)
     if n1 == 0:
         return s2
-    masked = jnp.where(eligible[:, None, :], base, -jnp.inf)
-    vals, top = jax.lax.top_k(masked, min(n1, base.shape[-1]))
-    b, hkv = base.shape[:2]
-    hit = (
-        jnp.zeros(base.shape, bool)
-        .at[jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None], top]
-        .set(vals > -jnp.inf)
-    )
+    hit = head_top_mask(jnp.where(eligible[:, None, :], base, -jnp.inf), n1)
     return jnp.where(hit, jnp.finfo(jnp.float32).max, s2)
+
+
+def head_top_mask(scores: jax.Array, n: int) -> jax.Array:
+    """[B, Hkv, T] bool: each head's ``n`` highest of scores [B, Hkv, T] (finite ones only; ties: lower index)."""
+    vals, top = jax.lax.top_k(scores, min(n, scores.shape[-1]))
+    b, hkv = scores.shape[:2]
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None]
+    return jnp.zeros(scores.shape, bool).at[rows, heads, top].set(vals > -jnp.inf)
+
+
+# ------------------------------------------------------------------------ token-only rankings (the token pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKVRanking(ScoreDynamics):
+    """SnapKV's scores (``snapkv_scores``): the observation window's attention to the prefix, average-pooled
+    (``kernel``), group mean per KV head. Token pool only (SnapKV, PyramidKV, Ada-KV)."""
+
+    n_obs: int = 32
+    kernel: int = 5
+
+    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        return snapkv_scores(q, k, end, self.n_obs, self.kernel, ctx.cfg.sliding_window)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticalKVRanking(SnapKVRanking):
+    """CriticalKV over SnapKV (``criticalkv_scores``): each head's top ``first_stage_ratio`` of its
+    ``caps.pool_per_head`` slots by SnapKV score, then ``(score + epsilon) * ||v W_O,h||_1`` over the tokens
+    that compete for the pool (past the sinks, before the recent region). Token pool only."""
+
+    first_stage_ratio: float = 0.5
+    epsilon: float = 1e-4
+
+    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+        base = super().prefill_token_scores(q, k, v, positions, end, mass, ctx, caps)
+        eligible = (positions >= caps.sink) & (positions < (end - caps.recent)[:, None])
+        return criticalkv_scores(
+            base, v, ctx.wo, eligible, caps.pool_per_head, self.first_stage_ratio, self.epsilon
+        )

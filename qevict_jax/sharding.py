@@ -63,8 +63,8 @@ CACHE_LAYOUTS: dict[type, dict[str, str]] = {
     TieredCache: _SINK_RING
     | {
         "loc_score": BATCH,  # [L, B, RW]
-        "fp_k": HEADS,  # [L, B, Hkv, NF, W, D]
-        "fp_v": HEADS,  # [L, B, Hkv, NF, W, D]
+        "fp_kw": HEADS,  # [L, B, Hkv, NF, W, D]
+        "fp_vw": HEADS,  # [L, B, Hkv, NF, W, D]
         "fp_win": BATCH,  # [L, B, NF]
         "fp_score": BATCH,  # [L, B, NF]
         "ledger": "nested",  # Ledger

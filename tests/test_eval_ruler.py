@@ -9,7 +9,8 @@ import re
 import pytest
 
 from qevict_jax.eval import ruler
-from qevict_jax.eval.ruler import NOISE, insert_at_depths, ruler_sample, ruler_score
+from qevict_jax.eval.haystack import NOISE, insert_at_depths
+from qevict_jax.eval.ruler import ruler_sample, ruler_score
 from qevict_jax.eval.testing import ByteTokenizer
 
 TOK = ByteTokenizer()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from qevict_jax import generate as gen
+from qevict_jax.cache import TieredCache
 from qevict_jax.compiled import bucket_floor, bucket_length
 from qevict_jax.gates import UNTRAINED
 from qevict_jax.generate import SamplerConfig, generate
@@ -80,10 +81,11 @@ def test_every_method_on_smollm2(smol, name):
     other = {jnp.dtype(t) for t in (jnp.float32, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_)}
     if name == "full":  # 16-bit words (kv.to_words) of a bfloat16 cache
         assert res.cache.dtype == jnp.dtype(dtype) and res.cache.keys().dtype == jnp.dtype(dtype)
-    else:
-        assert {leaf.dtype for leaf in jax.tree.leaves(res.cache)} - other == {
-            jnp.dtype(dtype)
-        }  # K/V in bf16
+    else:  # K/V in bf16; the window engine's F tier as 16-bit words of it (TieredCache.fp_kw)
+        words = {jnp.dtype(jnp.uint16)} if isinstance(res.cache, TieredCache) else set()
+        assert {leaf.dtype for leaf in jax.tree.leaves(res.cache)} - other == {jnp.dtype(dtype)} | words
+        if words:
+            assert res.cache.fp_k.dtype == jnp.dtype(dtype) and res.cache.fp_v.dtype == jnp.dtype(dtype)
     if getattr(method, "uses_budget", False):
         budget_tokens = bucket_floor(PROMPT) + NEW
         assert res.cache_bytes <= BETA * full_kv_bytes(cfg, budget_tokens, dtype)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from models.config import ModelConfig
 from qevict_jax.cache import init_cache
 from qevict_jax.config import Capacities, ring_capacity
-from qevict_jax.routing import plan_routing, route_row
+from qevict_jax.routing import ROUTING_BOUNDS, plan_counts, plan_routing, plan_row, route_row, route_stacked
 from qevict_jax.scoring import Ranking
 
 # (NF, NL, NQ, K): F slots, ledger slots, max active Q, candidates per event
@@ -344,3 +344,62 @@ def test_without_promotion_q_never_returns_to_f():
         assert int(cache.fp_win[0, 0]) == 0  # the Q window's score is higher, but it stays in Q
         assert int(cache.ledger.win[0, slot_of(cache.ledger.win[0], 1)]) == 1
     assert int(cache.promotions[0]) == 0
+
+
+# ------------------------------------------------------------------------------- route_stacked's paths
+
+BIG = Capacities(
+    sink=2, window=W, recent=0, ring=ring_capacity(0, W, 4), nf=12, nq=12, nl=24, nw_max=64, bits=2, omega=4
+)
+
+
+def promoting_cache(promotions: list[int]) -> object:
+    """A stacked cache [L=1, B] whose F tier holds windows 0..11 (score 1, never quantized) and whose Q tier
+    holds windows 12..23 (row b: ``promotions[b]`` of them score 5, the rest 0.5): an event promotes that
+    many Q windows and demotes (quantizes afresh) as many F windows. No candidates."""
+    b = len(promotions)
+    rng = np.random.default_rng(7)
+    cache = init_cache(BIG, MODEL, b, jnp.float32)
+    rand = lambda x, lo, hi: jnp.asarray(rng.uniform(lo, hi, x.shape), x.dtype)
+    codes = cache.ledger.codes
+    codes = codes.replace(
+        **{n: jnp.asarray(rng.integers(0, 256, getattr(codes, n).shape), jnp.uint8) for n in ("k_codes", "v_codes")},
+        **{n: rand(getattr(codes, n), 0.05, 0.2) for n in ("k_scale", "v_scale")},
+        **{n: rand(getattr(codes, n), -0.5, 0.5) for n in ("k_zero", "v_zero")},
+    )  # fmt: skip
+    q_score = np.full((1, b, BIG.nl), 0.0, np.float32)
+    for row, p in enumerate(promotions):
+        q_score[0, row, :12] = [5.0] * p + [0.5] * (12 - p)
+    wins = np.arange(BIG.nl)
+    return cache.replace(
+        fp_kw=rand(cache.fp_kw, -2, 2),
+        fp_vw=rand(cache.fp_vw, -2, 2),
+        fp_win=jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (1, b, 12)),
+        fp_score=jnp.ones((1, b, 12), jnp.float32),
+        ledger=cache.ledger.replace(
+            codes=codes,
+            win=jnp.asarray(np.broadcast_to(np.where(wins < 12, wins + 12, -1), (1, b, BIG.nl)), jnp.int32),
+            active=jnp.asarray(np.broadcast_to(wins < 12, (1, b, BIG.nl))),
+            score=jnp.asarray(q_score),
+        ),
+        next_win=jnp.full((1, b), 24, jnp.int32),
+        length=jnp.full((1, b), BIG.sink + 24 * W, jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("promotions", [[0, 0], [1, 0], [2, 1], [5, 2], [8, 3], [11, 4]])
+def test_route_stacked_takes_a_path_that_holds_the_event_and_equals_the_full_path(promotions):
+    """Events needing 0, 1-2, 3-8 and more F windows moved in some row (``ROUTING_BOUNDS`` = (2, 8), then the
+    full path): the stacked event equals every row routed on the full path, bit for bit."""
+    cache = promoting_cache(promotions)
+    ranking = Ranking()
+    rows = lambda f: jax.vmap(jax.vmap(f))
+    plans = rows(lambda r: plan_row(r, ranking, True)[0])(cache)
+    assert np.asarray(plan_counts(plans, BIG.nl))[0].tolist() == promotions
+    assert np.asarray(plans.promotions)[0].tolist() == promotions
+    got = jax.jit(lambda c: route_stacked(c, INV_FREQ, ranking, True))(cache)
+    want = jax.jit(rows(lambda r: route_row(r, INV_FREQ, ranking, True)))(cache)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(got.promotions)[0].tolist() == promotions
+    assert ROUTING_BOUNDS == (2, 8)  # the cases above cover each path

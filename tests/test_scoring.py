@@ -1,4 +1,5 @@
-"""Observation-window initialization of the window scores (DESIGN §5) against a float64 numpy reference."""
+"""Observation-window initialization of the window scores (DESIGN §5) against a float64 numpy reference; the
+ranking interface both engines share."""
 
 from __future__ import annotations
 
@@ -6,7 +7,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qevict_jax.scoring import Ranking, make_ranking, window_sums
+from models.config import ModelConfig
+from models.model import LayerContext
+from qevict_jax.methods import make_method
+from qevict_jax.pool import Allocation
+from qevict_jax.scoring import (
+    CriticalKVRanking,
+    CumulativeAllRanking,
+    GateRanking,
+    KeyNormRanking,
+    Ranking,
+    RestKVRanking,
+    SnapKVRanking,
+    TOVARanking,
+    make_ranking,
+    window_sums,
+)
 
 B, T, H, HKV, D = 2, 80, 6, 2, 8
 S, W = 5, 8
@@ -104,3 +120,72 @@ def test_cumulative_all_is_the_column_mass_of_every_query():
         np_windows(mass.mean((1, 2))),
         rtol=1e-5,
     )
+
+
+# ------------------------------------------------------------------ one ranking interface for both engines
+
+
+def _ctx(t: int = T) -> LayerContext:
+    cfg = ModelConfig(
+        family="llama", vocab_size=11, hidden_size=H * D, intermediate_size=8, num_layers=1,
+        num_heads=H, num_kv_heads=HKV, head_dim=D,
+    )  # fmt: skip
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
+    return LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=jnp.ones((D // 2,)), cfg=cfg)
+
+
+@pytest.mark.parametrize("ranking", [make_ranking("cumulative-all"), TOVARanking(), make_ranking("keynorm")])
+def test_a_shared_ranking_scores_windows_as_its_head_mean_tokens(ranking):
+    """The rankings both engines use score a window (window engine) as the head mean of its tokens' scores
+    (token pool) summed over the window (key norm: averaged, its windows' unit)."""
+    q, k = _inputs(4)
+    mass = np.random.RandomState(4).rand(B, HKV, H // HKV, T)
+    f = lambda a: jnp.asarray(a, jnp.float32)
+    lengths = jnp.asarray(LENGTHS, jnp.int32)
+    tokens = ranking.prefill_token_scores(f(q), f(k), f(k), _ctx().positions, lengths, f(mass), _ctx(), None)
+    assert tokens.shape == (B, HKV, T)
+    windows = np.asarray(ranking.prefill_window_scores(f(q), f(k), lengths, f(mass), S, W, NW, None))
+    from_tokens = np_windows(np.asarray(tokens, np.float64).mean(axis=1))
+    if ranking.name == "keynorm":
+        from_tokens /= W  # a window past T holds zero keys (norm 0) in both
+    np.testing.assert_allclose(windows, from_tokens, rtol=2e-5, atol=1e-7)
+
+
+def test_tova_keeps_the_current_query_for_every_head_and_replaces_scores():
+    q, k = _inputs(5)
+    f = lambda a: jnp.asarray(a, jnp.float32)
+    lengths = jnp.asarray(LENGTHS, jnp.int32)
+    got = np.asarray(TOVARanking().prefill_token_scores(f(q), f(k), f(k), None, lengths, None, _ctx(), None))
+    for b in range(B):
+        row = np_observation_rows(q[b], k[b], int(LENGTHS[b]), 1, 0)[0]
+        for h in range(HKV):
+            np.testing.assert_allclose(got[b, h], row, rtol=2e-5, atol=1e-7)
+    assert TOVARanking.shared_heads and not Ranking.shared_heads
+    np.testing.assert_array_equal(TOVARanking().update(jnp.ones(3), jnp.arange(3.0)), [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(Ranking().update(jnp.ones(3), jnp.arange(3.0)), [1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize(
+    "name,options,ranking,allocation",
+    [
+        ("h2o", {}, CumulativeAllRanking(), Allocation()),
+        ("tova", {}, TOVARanking(), Allocation()),
+        ("keynorm", {}, KeyNormRanking(), Allocation()),
+        ("snapkv", {"n_obs": 48, "kernel": 7}, SnapKVRanking(n_obs=48, kernel=7), Allocation()),
+        ("pyramidkv", {"beta": 10.0}, SnapKVRanking(), Allocation(pyramid_beta=10.0)),
+        ("adakv", {}, SnapKVRanking(), Allocation(adaptive=True, safeguard=0.2)),
+        (
+            "criticalkv",
+            {"epsilon": 0.01},
+            CriticalKVRanking(first_stage_ratio=0.5, epsilon=0.01),
+            Allocation(),
+        ),
+        ("restkv", {"kernel": 9, "scale": 100.0}, RestKVRanking(kernel=9, scale=100.0), Allocation()),
+        ("gates-global", {"gates": "g"}, GateRanking(), Allocation(adaptive=True, safeguard=0.0)),
+    ],
+)
+def test_a_pool_policy_is_a_ranking_and_an_allocation(name, options, ranking, allocation):
+    """Every token-pool baseline is one of the shared rankings (its options reach it) plus an allocation."""
+    method = make_method(name, 0.2, **options)
+    assert method.ranking == ranking and type(method.ranking) is type(ranking)
+    assert method.allocation == allocation

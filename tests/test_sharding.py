@@ -23,6 +23,7 @@ from models.config import ModelConfig
 from models.model import Transformer
 from pallas_kernels.dispatch import use_cpu_kernel
 from qevict_jax import generate as gen
+from qevict_jax.decode import decode_jit
 from qevict_jax.generate import generate
 from qevict_jax.kv import FullCache
 from qevict_jax.methods import cache_stats, make_method
@@ -208,7 +209,7 @@ def test_decode_loop_donates_the_cache(model):
     res = generate(model, [[1, 2, 3, 4, 5]], sampler, method)
     graphdef, state = nnx.split(model)
     cache = res.cache
-    out = gen._decode_jit(
+    out = decode_jit(
         graphdef, state, cache, jnp.asarray([7]), jnp.asarray([9]), jax.random.key(0), method, sampler, None
     )
     jax.block_until_ready(out)

@@ -30,11 +30,11 @@ from flax import nnx
 from models.attention import chunked_attention
 from models.model import LayerContext, Transformer
 from qevict_jax.cache import TieredCache
+from qevict_jax.compiled import EXECUTABLES
 from qevict_jax.config import num_windows
 from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.eval.fidelity import fidelity_sample
-from qevict_jax.generate import DEFAULT_KV_DTYPE, EXECUTABLES
-from qevict_jax.kv import KVMethod
+from qevict_jax.kv import DEFAULT_KV_DTYPE, KVMethod
 from qevict_jax.scoring import Ranking, observation_mass
 
 # ---------------------------------------------------------------------------------------------- reference

@@ -12,9 +12,10 @@ else the last number in the text (flexible); both compared after removing "," "$
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
+
+from qevict_jax.eval.jsonl import read_objects
 
 EXEMPLARS = (
     (
@@ -85,19 +86,11 @@ class GSM8KRecord:
 def load(path: str | Path, limit: int | None = None) -> list[GSM8KRecord]:
     """The first ``limit`` problems (all when None) of an official GSM8K JSONL file."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GSM8K file not found: {path}")
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if limit is not None and len(out) >= limit:
-                break
-            if line.strip():
-                obj = json.loads(line)
-                out.append(
-                    GSM8KRecord(len(out), obj["question"], reference_answer(obj["answer"]), obj["answer"])
-                )
-    return out
+    objects = read_objects(path, limit, f"GSM8K file not found: {path}")
+    return [
+        GSM8KRecord(i, obj["question"], reference_answer(obj["answer"]), obj["answer"])
+        for i, obj in enumerate(objects)
+    ]
 
 
 def reference_answer(solution: str) -> str:

@@ -20,20 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qevict_jax import generate as gen
+from qevict_jax.compiled import EXECUTABLES, bucket_length
 from qevict_jax.eval.fidelity import fidelity_stats
 from qevict_jax.eval.sweep import FULL, Job
-from qevict_jax.generate import (
-    DEFAULT_KV_DTYPE,
-    SamplerConfig,
-    _budget_tokens,
-    bucket_length,
-    generate,
-    generate_shared,
-    teacher_forced,
-)
-from qevict_jax.kv import FullKV
+from qevict_jax.generate import generate, generate_shared, teacher_forced
+from qevict_jax.kv import DEFAULT_KV_DTYPE, FullKV
 from qevict_jax.methods import available_methods, configure, make_method, method_option, options_for
+from qevict_jax.prefill import tokens_for_budget
+from qevict_jax.sampling import SamplerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +84,7 @@ def check_feasible(
         for p in prompts:
             n = len(p.ids)
             lengths = jnp.asarray([n], jnp.int32)
-            tokens = _budget_tokens(method, lengths, p.max_new_tokens, "bucket")
+            tokens = tokens_for_budget(method, lengths, p.max_new_tokens, "bucket")
 
             def init(method=method, lengths=lengths, n=n, p=p, tokens=tokens):
                 return method.init_cache(
@@ -106,7 +100,7 @@ def check_feasible(
 
 
 def _trace_total() -> int:
-    return sum(gen.EXECUTABLES.compilations.values())
+    return sum(EXECUTABLES.compilations.values())
 
 
 def _strip_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:

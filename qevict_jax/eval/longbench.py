@@ -13,10 +13,10 @@ line with fields ``input``, ``context``, ``answers`` (list), ``length``, ``all_c
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from qevict_jax.eval.jsonl import read_objects
 from qevict_jax.eval.metrics import (
     best_over_references,
     classification_score,
@@ -153,16 +153,8 @@ def load_task(data_dir: str | Path, task: str, limit: int | None = None) -> list
     """The first ``limit`` records (all when None) of ``data_dir/<task>.jsonl``."""
     check_task(task)
     path = Path(data_dir) / f"{task}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"LongBench file not found: {path} (expected DIR/<task>.jsonl from data.zip)")
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if limit is not None and len(records) >= limit:
-                break
-            if line.strip():
-                records.append(_record(task, len(records), json.loads(line), path))
-    return records
+    missing = f"LongBench file not found: {path} (expected DIR/<task>.jsonl from data.zip)"
+    return [_record(task, i, obj, path) for i, obj in enumerate(read_objects(path, limit, missing))]
 
 
 def _record(task: str, index: int, obj: dict, path: Path) -> LongBenchRecord:

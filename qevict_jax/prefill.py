@@ -1,0 +1,218 @@
+"""The prompt side of generation: host-side preparation of the prompts (checks, padding to a length bucket,
+the budget's token count, the question split), the jitted prompt pass that builds a method's cache
+(``prefill_jit``; several methods' caches from one pass with ``Fanout``), and the jitted append of a chunk of
+tokens to a compressed cache (``append_jit``: a question after the context, a new turn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import prompt_attention
+from models.model import Transformer
+from qevict_jax.compiled import bucket_floor, bucket_length
+from qevict_jax.kv import KVMethod
+from qevict_jax.sampling import SamplerConfig, sample
+from qevict_jax.sharding import Mesh, constrain_cache
+
+# ---------------------------------------------------------------------------------------------- host side
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[int]], model_cfg, sampler: SamplerConfig, offsets: Sequence[int] | None = None
+) -> None:
+    """Raise a clear error for empty prompts or prompts that do not fit the model's context (``offsets``:
+    tokens already in each row's cache, for a continued conversation)."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        before = offsets[i] if offsets is not None else 0
+        total = before + len(p) + sampler.max_new_tokens
+        if total > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} has {before} + {len(p)} tokens + {sampler.max_new_tokens} new tokens = {total}, "
+                f"more than the model's context capacity of {model_cfg.max_position_embeddings} tokens"
+            )
+        bad = [t for t in p if not 0 <= t < model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {model_cfg.vocab_size}): {bad[:5]}")
+
+
+def split_questions(
+    prompts: Sequence[Sequence[int]], question_starts: Sequence[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(contexts, questions): each prompt cut at its question start (checked: 0 < start < len)."""
+    if len(question_starts) != len(prompts):
+        raise ValueError(f"give one question start per prompt: {len(question_starts)} for {len(prompts)}")
+    for i, (p, qs) in enumerate(zip(prompts, question_starts, strict=True)):
+        if not 0 < qs < len(p):
+            raise ValueError(
+                f"prompt {i}: question start {qs} is outside (0, {len(p)}): no context or no question"
+            )
+    return [list(p[:qs]) for p, qs in zip(prompts, question_starts, strict=True)], [
+        list(p[qs:]) for p, qs in zip(prompts, question_starts, strict=True)
+    ]
+
+
+def tokens_for_budget(
+    method: KVMethod, lengths: np.ndarray, max_new_tokens: int, budget_rounding: str
+) -> int:
+    """Tokens per row a budgeted method sizes its cache for (0 for methods without a budget)."""
+    if not method.uses_budget:
+        return 0
+    if budget_rounding not in ("bucket", "exact"):
+        raise ValueError(f"budget_rounding must be 'bucket' or 'exact', got {budget_rounding!r}")
+    shortest = int(lengths.min())
+    base = bucket_floor(shortest) if budget_rounding == "bucket" else shortest
+    return base + max_new_tokens
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad prompts to ``width`` (default: their length bucket): (tokens [B, P] int32, lengths [B])."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), width or bucket_length(int(lengths.max()))), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, lengths
+
+
+# ---------------------------------------------------------------------------------------------- jitted
+
+
+def prefill_logits(
+    model: Transformer,
+    tokens,
+    lengths,
+    method: KVMethod,
+    max_new_tokens: int,
+    budget_tokens: int,
+    kv_dtype,
+    mesh: Mesh | None = None,
+):
+    """tokens [B, P] right-padded, lengths [B] -> (logits at each row's last prompt token [B, V], cache).
+
+    The cache is sized for ``max_new_tokens`` more tokens per row and stores K/V in ``kv_dtype``; on a
+    ``mesh`` it is constrained to its sharding (``sharding.cache_shardings``) before and after the layer scan.
+    """
+    b, p = tokens.shape
+    cache = method.init_cache(model.cfg, lengths, p, max_new_tokens, kv_dtype, budget_tokens)
+    cache = constrain_cache(cache, mesh)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, cache = model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
+    return logits, constrain_cache(cache, mesh)
+
+
+def _prefill(
+    graphdef,
+    state,
+    tokens,
+    lengths,
+    rng,
+    method: KVMethod,
+    sampler: SamplerConfig,
+    budget_tokens: int,
+    capacity_new: int,
+    kv_dtype,
+    mesh: Mesh | None = None,
+):
+    """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache with room for ``capacity_new``)."""
+    model: Transformer = nnx.merge(graphdef, state)
+    logits, cache = prefill_logits(
+        model, tokens, lengths, method, capacity_new, budget_tokens, kv_dtype, mesh
+    )
+    return sample(logits, rng, sampler), cache
+
+
+def _select_rows(active: jax.Array, new: Any, old: Any) -> Any:
+    """Per batch row, ``new`` where active [B] else ``old`` (every cache leaf is [L, B, ...])."""
+
+    def pick(n, o):
+        return jnp.where(active.reshape((1, -1) + (1,) * (n.ndim - 2)), n, o)
+
+    return jax.tree.map(pick, new, old)
+
+
+def _append(
+    graphdef,
+    state,
+    cache,
+    tokens,
+    start,
+    count,
+    rng,
+    method: KVMethod,
+    sampler: SamplerConfig,
+    mesh: Mesh | None = None,
+):
+    """Append a chunk of tokens to a (compressed) cache, then run one routing event (DESIGN §5).
+
+    tokens [B, Q] right-padded: row b feeds its first ``count[b]`` (>= 1) tokens at positions ``start[b]``,
+    ``start[b] + 1``, ... through the method's decode attention (each attends over the cache's tiers and
+    adds its attention mass to the window scores, exactly as a decode step). Then ``method.route`` runs a
+    routing event, so windows the new tokens need are promoted before decoding.
+    Returns (next token [B] sampled from the logits at each row's last token, cache).
+    """
+    model: Transformer = nnx.merge(graphdef, state)
+    b, q = tokens.shape
+    inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
+
+    def body(carry, xs):
+        cache, last = carry
+        token, i = xs
+        active = i < count
+        logits, new = model(token[:, None], (start + i)[:, None], cache, attend=method.decode_attend)
+        new = method.decode_route(new, inv_freq)
+        new = jax.lax.cond(jnp.all(active), lambda: new, lambda: _select_rows(active, new, cache))
+        return (constrain_cache(new, mesh), jnp.where(active[:, None], logits[:, 0], last)), None
+
+    last0 = jnp.zeros((b, model.cfg.vocab_size), jnp.float32)
+    (cache, last), _ = jax.lax.scan(body, (cache, last0), (tokens.T, jnp.arange(q, dtype=jnp.int32)))
+    cache = constrain_cache(method.route(cache, inv_freq), mesh)
+    return sample(last, rng, sampler), cache
+
+
+prefill_jit = jax.jit(_prefill, static_argnums=(0, 5, 6, 7, 8, 9, 10))
+append_jit = jax.jit(_append, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fanout:
+    """Several methods' caches built by one prompt pass.
+
+    A method only decides what its cache keeps: the prompt pass's outputs (hence the first token) are the
+    same for every method, so an evaluation of many methods on one prompt needs one prefill, not one per
+    method. The layer scan hands every member its layer's slice (a stacked-cache method such as Full-KV
+    prefills through its ``prefill_attend_slice``). The cache is the tuple of the members' caches;
+    ``budget_tokens`` is per member.
+    """
+
+    methods: tuple[Any, ...]
+    name: str = "fanout"
+    chunk: int = 512
+    stacked_cache: ClassVar[bool] = False  # its members' caches are handed one layer's slice each
+
+    def init_cache(self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens):
+        return tuple(
+            m.init_cache(model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, bt)
+            for m, bt in zip(self.methods, budget_tokens, strict=True)
+        )
+
+    def prefill_attend(self, q, k, v, caches, ctx):
+        """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression."""
+        lengths = caches[0].length
+        att = prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, self.chunk)
+        ctx = dataclasses.replace(ctx, prompt_attention=att)
+        pairs = [
+            (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(q, k, v, c, ctx)
+            for m, c in zip(self.methods, caches, strict=True)
+        ]
+        return pairs[0][0], tuple(c for _, c in pairs)
