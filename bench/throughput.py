@@ -7,8 +7,9 @@ each with its ratio to Full-KV in the same row.
 Peak memory is XLA's buffer assignment of the compiled executable that ran (``memory_analysis()``:
 arguments + outputs - aliased (donated) + temporaries), less the parameters: the most bytes the program
 holds at once besides the weights. "prefill peak" is that of the jitted prefill; "decode peak" of the decode
-loop. The prefill bound printed beside it is one layer's full KV of the padded prompt in the compute dtype
-plus the compressed cache. On a GPU the device's ``peak_bytes_in_use`` high-water mark is printed too; on the
+loop. "activations-only peak" is that of the same prefill forward with no KV cache at all
+(``_activation_prefill``, compiled, not run); the bound on the prefill is: prefill peak - activations-only
+peak <= one layer's full KV of the padded prompt in the compute dtype + the method's cache ("bound held"). On a GPU the device's ``peak_bytes_in_use`` high-water mark is printed too; on the
 CPU the process's RSS high-water (``resource.getrusage``) once at the end (it only grows, so it is not split
 per row).
 
@@ -47,7 +48,7 @@ from flax import nnx
 
 from models.checkpoint import load_model
 from models.config import ModelConfig
-from models.model import Transformer
+from models.model import Transformer, uncached_attend
 from models.registry import resolve_model
 from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length
 from qevict_jax.generate import GenerationResult, generate
@@ -109,9 +110,9 @@ def planned_cache_bytes(
     return int(sum(np.prod(s.shape, dtype=np.int64) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
 
 
-def program_peak(name: str, param_bytes: int) -> int:
-    """XLA's peak buffer bytes of the executable ``name`` ran last, less the parameters (see module doc)."""
-    stats = EXECUTABLES.latest(name).memory_analysis()
+def executable_peak(compiled: Any, param_bytes: int) -> int:
+    """XLA's peak buffer bytes of a compiled executable, less the parameters (see module doc)."""
+    stats = compiled.memory_analysis()
     total = (
         stats.argument_size_in_bytes
         + stats.output_size_in_bytes
@@ -119,6 +120,32 @@ def program_peak(name: str, param_bytes: int) -> int:
         + stats.temp_size_in_bytes
     )
     return int(total - param_bytes)
+
+
+def program_peak(name: str, param_bytes: int) -> int:
+    """``executable_peak`` of the executable ``name`` ran last."""
+    return executable_peak(EXECUTABLES.latest(name), param_bytes)
+
+
+def _activation_prefill(graphdef, state, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """The prefill's forward pass without any KV cache: tokens [B, P] right-padded, lengths [B] -> logits at
+    each row's last prompt token [B, V]. Its peak is what the prompt's activations alone need."""
+    model: Transformer = nnx.merge(graphdef, state)
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, _ = model(tokens, positions, None, uncached_attend, logit_index=lengths - 1)
+    return logits
+
+
+def activation_peak(model: Transformer, batch: int, prompt_capacity: int, param_bytes: int) -> int:
+    """``executable_peak`` of ``_activation_prefill`` compiled (not run) for [batch, prompt_capacity] tokens."""
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((batch, prompt_capacity), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    compiled = (
+        jax.jit(_activation_prefill, static_argnums=0).lower(graphdef, state, tokens, lengths).compile()
+    )
+    return executable_peak(compiled, param_bytes)
 
 
 def device_peak() -> int | None:
@@ -166,10 +193,10 @@ def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float
     sampler = SamplerConfig(max_new_tokens=args.new_tokens)
     print(
         "| context | batch | method | TTFT (s) | TPOT (ms) | decode tok/s | tok/s vs Full | cache MB | cache vs Full "
-        "| memory ratio | prefill peak MB | prefill vs Full | 1 layer KV + cache MB | decode peak MB "
-        "| decode peak vs Full | device peak MB |"
+        "| memory ratio | prefill peak MB | prefill vs Full | activations-only peak MB | prefill - activations MB "
+        "| 1 layer KV + cache MB | bound held | decode peak MB | decode peak vs Full | device peak MB |"
     )
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 19)
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
             if args.time_limit and time.perf_counter() - t_start > args.time_limit:
@@ -179,6 +206,7 @@ def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float
                 return
             prompts = prompts_for(cfg, context, batch, args.new_tokens)
             layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
+            act = activation_peak(model, batch, bucket_length(max(len(x) for x in prompts)), param_bytes)
             ref = None
             for label, method in methods():
                 r = measure(model, cfg, prompts, sampler, method, kv_dtype, param_bytes)
@@ -188,7 +216,9 @@ def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float
                     f"| {r['tok_s']:.1f} | {r['tok_s'] / ref['tok_s']:.2f}x | {mb(r['cache_bytes'])} "
                     f"| {r['cache_bytes'] / ref['cache_bytes']:.3f} | {r['memory_ratio']:.3f} "
                     f"| {mb(r['prefill_peak'])} | {r['prefill_peak'] / ref['prefill_peak']:.3f} "
-                    f"| {mb(layer_kv + r['cache_bytes'])} | {mb(r['decode_peak'])} "
+                    f"| {mb(act)} | {mb(r['prefill_peak'] - act)} | {mb(layer_kv + r['cache_bytes'])} "
+                    f"| {'yes' if r['prefill_peak'] - act <= layer_kv + r['cache_bytes'] else 'NO'} "
+                    f"| {mb(r['decode_peak'])} "
                     f"| {r['decode_peak'] / ref['decode_peak']:.3f} | {mb(r['device_peak'])} |",
                     flush=True,
                 )

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qevict_jax import scoring
 from qevict_jax.scoring import Ranking, make_ranking, window_sums
 
 B, T, H, HKV, D = 2, 80, 6, 2, 8
@@ -47,10 +48,12 @@ def np_windows(x: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("key_block", [16, 24, 512])  # T = 80: 5 full key blocks; 3 and a tail of 8; a tail
 @pytest.mark.parametrize(
     "kind,n_obs,pool", [("cumulative", 32, 0), ("cumulative", 16, 5), ("decayed", 32, 0), ("pnorm", 8, 3)]
 )
-def test_observation_window_scores_match_float64_reference(kind, n_obs, pool):
+def test_observation_window_scores_match_float64_reference(kind, n_obs, pool, key_block, monkeypatch):
+    monkeypatch.setattr(scoring, "OBS_KEY_BLOCK", key_block)
     q, k = _inputs(1)
     ranking = make_ranking(kind, decay=0.9, p=3.0, n_obs=n_obs, pool=pool)
     got = np.asarray(
