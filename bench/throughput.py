@@ -26,8 +26,12 @@ GPU (``--gpu``): random bf16 weights in Llama-3.1-8B shapes, built on the device
 ``--contexts 32768,65536,131072``, batch 1, stopping before ``--time-limit`` seconds (default 420) so that
 one call stays under 8 minutes.
 
+``--prefill-memory``: only the prefill memory columns, from the compiled programs (compiled, not run), so
+that long contexts cost compile time only.
+
 Usage:
   python bench/throughput.py [--contexts 2048] [--batches 1,4] [--new-tokens 16]
+  python bench/throughput.py --prefill-memory --contexts 2048,4096,8192 --batches 1,4
   python bench/throughput.py --contexts 2048 --cache-memory 200000000 --max-batch 32
   python bench/throughput.py --gpu
 """
@@ -51,7 +55,7 @@ from models.config import ModelConfig
 from models.model import Transformer, uncached_attend
 from models.registry import resolve_model
 from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length
-from qevict_jax.generate import GenerationResult, generate
+from qevict_jax.generate import GenerationResult, generate, lower_prefill
 from qevict_jax.kv import KVMethod
 from qevict_jax.methods import make_method
 from qevict_jax.sampling import SamplerConfig
@@ -189,14 +193,24 @@ def mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:.1f}"
 
 
-def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float) -> None:
-    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
-    print(
-        "| context | batch | method | TTFT (s) | TPOT (ms) | decode tok/s | tok/s vs Full | cache MB | cache vs Full "
-        "| memory ratio | prefill peak MB | prefill vs Full | activations-only peak MB | prefill - activations MB "
-        "| 1 layer KV + cache MB | bound held | decode peak MB | decode peak vs Full | device peak MB |"
+PREFILL_MEMORY_HEADER = (
+    "| prefill peak MB | prefill vs Full | activations-only peak MB | prefill - activations MB "
+    "| 1 layer KV + cache MB | bound held |"
+)
+
+
+def prefill_memory_columns(peak: int, ref_peak: int, act: int, layer_kv: int, cache_bytes: int) -> str:
+    """The prefill memory columns of a row (``PREFILL_MEMORY_HEADER``): the peak, its ratio to Full-KV's, the
+    activations-only peak, the difference and the bound it is held to (one layer's KV + the cache)."""
+    held = "yes" if peak - act <= layer_kv + cache_bytes else "NO"
+    return (
+        f"| {mb(peak)} | {peak / ref_peak:.3f} | {mb(act)} | {mb(peak - act)} | {mb(layer_kv + cache_bytes)} "
+        f"| {held} |"
     )
-    print("|" + "---|" * 19)
+
+
+def rows(cfg, args, t_start: float):
+    """(context, batch, prompts) of the sweep, until ``--time-limit`` (then a line says where it stopped)."""
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
             if args.time_limit and time.perf_counter() - t_start > args.time_limit:
@@ -204,24 +218,54 @@ def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float
                     f"(stopped: --time-limit {args.time_limit} s reached before context {context}, batch {batch})"
                 )
                 return
-            prompts = prompts_for(cfg, context, batch, args.new_tokens)
-            layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
-            act = activation_peak(model, batch, bucket_length(max(len(x) for x in prompts)), param_bytes)
-            ref = None
-            for label, method in methods():
-                r = measure(model, cfg, prompts, sampler, method, kv_dtype, param_bytes)
-                ref = ref or r
-                print(
-                    f"| {len(prompts[0])} | {batch} | {label} | {r['ttft_s']:.3f} | {r['tpot_ms']:.1f} "
-                    f"| {r['tok_s']:.1f} | {r['tok_s'] / ref['tok_s']:.2f}x | {mb(r['cache_bytes'])} "
-                    f"| {r['cache_bytes'] / ref['cache_bytes']:.3f} | {r['memory_ratio']:.3f} "
-                    f"| {mb(r['prefill_peak'])} | {r['prefill_peak'] / ref['prefill_peak']:.3f} "
-                    f"| {mb(act)} | {mb(r['prefill_peak'] - act)} | {mb(layer_kv + r['cache_bytes'])} "
-                    f"| {'yes' if r['prefill_peak'] - act <= layer_kv + r['cache_bytes'] else 'NO'} "
-                    f"| {mb(r['decode_peak'])} "
-                    f"| {r['decode_peak'] / ref['decode_peak']:.3f} | {mb(r['device_peak'])} |",
-                    flush=True,
-                )
+            yield context, batch, prompts_for(cfg, context, batch, args.new_tokens)
+
+
+def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float) -> None:
+    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
+    print(
+        "| context | batch | method | TTFT (s) | TPOT (ms) | decode tok/s | tok/s vs Full | cache MB | cache vs Full "
+        "| memory ratio " + PREFILL_MEMORY_HEADER + " decode peak MB | decode peak vs Full | device peak MB |"
+    )
+    print("|" + "---|" * 19)
+    for _, batch, prompts in rows(cfg, args, t_start):
+        layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
+        act = activation_peak(model, batch, bucket_length(max(len(x) for x in prompts)), param_bytes)
+        ref = None
+        for label, method in methods():
+            r = measure(model, cfg, prompts, sampler, method, kv_dtype, param_bytes)
+            ref = ref or r
+            memory = prefill_memory_columns(
+                r["prefill_peak"], ref["prefill_peak"], act, layer_kv, r["cache_bytes"]
+            )
+            print(
+                f"| {len(prompts[0])} | {batch} | {label} | {r['ttft_s']:.3f} | {r['tpot_ms']:.1f} "
+                f"| {r['tok_s']:.1f} | {r['tok_s'] / ref['tok_s']:.2f}x | {mb(r['cache_bytes'])} "
+                f"| {r['cache_bytes'] / ref['cache_bytes']:.3f} | {r['memory_ratio']:.3f} {memory} "
+                f"{mb(r['decode_peak'])} | {r['decode_peak'] / ref['decode_peak']:.3f} | {mb(r['device_peak'])} |",
+                flush=True,
+            )
+
+
+def prefill_memory(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float) -> None:
+    """``--prefill-memory``: the prefill memory columns of the sweep from the compiled programs alone
+    (``generate.lower_prefill``; nothing runs, so long contexts cost compile time only)."""
+    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
+    print("| context | batch | method | cache MB " + PREFILL_MEMORY_HEADER)
+    print("|" + "---|" * 10)
+    for _, batch, prompts in rows(cfg, args, t_start):
+        layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
+        act = activation_peak(model, batch, bucket_length(max(len(x) for x in prompts)), param_bytes)
+        ref_peak = None
+        for label, method in methods():
+            peak = executable_peak(
+                lower_prefill(model, prompts, sampler, method, kv_dtype=kv_dtype).compile(), param_bytes
+            )
+            ref_peak = ref_peak or peak
+            cache = planned_cache_bytes(method, cfg, [len(p) for p in prompts], args.new_tokens, kv_dtype)
+            columns = prefill_memory_columns(peak, ref_peak, act, layer_kv, cache)
+            print(f"| {len(prompts[0])} | {batch} | {label} | {mb(cache)} {columns}", flush=True)
+        release()
 
 
 def fixed_memory(model, cfg, args, kv_dtype, param_bytes) -> None:
@@ -263,6 +307,9 @@ def main(argv: list[str] | None = None) -> None:
         "--cache-memory", type=float, default=None, help="bytes of cache: largest batch per method"
     )
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument(
+        "--prefill-memory", action="store_true", help="prefill memory columns only, from compiled programs"
+    )
     ap.add_argument("--time-limit", type=float, default=None, help="seconds; stop starting new rows after it")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -289,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.cache_memory:
         fixed_memory(model, cfg, args, kv_dtype, param_bytes)
+    elif args.prefill_memory:
+        prefill_memory(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start)
     else:
         sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start)
     if jax.default_backend() == "cpu":

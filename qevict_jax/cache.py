@@ -250,14 +250,17 @@ def shared_prompt_attention(
     """(out [B, T, H, D], column mass [B, Hkv, G, T], q, k, v) of the prompt pass: ``ctx.prompt_attention``
     when a shared prefill computed it, else ``models.attention.prompt_attention``.
 
-    q, k, v come back through a ``lax.optimization_barrier`` with the attention's results: what the caller
+    q, k, v come back through a ``lax.optimization_barrier`` with the attention output: what the caller
     computes from them (scores, window copies, quantization) is then scheduled after the attention, and its
     temporaries never coexist with the attention's blocks (XLA's scheduler hoisted them there: measured).
+    The mass stays outside the barrier, so that XLA still drops its pass when the caller does not read it.
     """
-    att = ctx.prompt_attention
-    if att is None:
-        att = prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, chunk)
-    return jax.lax.optimization_barrier((*att, q, k, v))
+    if ctx.prompt_attention is not None:
+        out, mass = ctx.prompt_attention
+    else:
+        out, mass = prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, chunk)
+    out, q, k, v = jax.lax.optimization_barrier((out, q, k, v))
+    return out, mass, q, k, v
 
 
 def fill_sink_and_ring(

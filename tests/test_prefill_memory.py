@@ -22,8 +22,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.model import Transformer, param_shapes
-from qevict_jax import generate as gen
-from qevict_jax.compiled import bucket_floor
+from qevict_jax.generate import lower_prefill
 from qevict_jax.methods import make_method
 from qevict_jax.sampling import SamplerConfig
 
@@ -73,25 +72,10 @@ def one_layer_kv(cfg: ModelConfig, batch: int, prompt: int) -> int:
     return F32 * batch * prompt * 2 * cfg.num_kv_heads * cfg.head_dim
 
 
-def prefill_peak(model: Transformer, method, prompt: int) -> int:
-    """``executable_peak`` of ``generate``'s jitted prefill compiled for [BATCH, prompt] tokens (rows of
-    prompt - 8 * row tokens, the budget rounded as ``generate`` rounds it)."""
-    graphdef, state = nnx.split(model)
-    budget_tokens = bucket_floor(prompt - 8 * (BATCH - 1)) + NEW if method.uses_budget else 0
-    compiled = gen._prefill_jit.lower(
-        graphdef,
-        state,
-        jax.ShapeDtypeStruct((BATCH, prompt), jnp.int32),
-        jax.ShapeDtypeStruct((BATCH,), jnp.int32),
-        jax.random.key(0),
-        method,
-        SamplerConfig(max_new_tokens=NEW),
-        budget_tokens,
-        NEW,
-        jnp.bfloat16,
-        None,
-    ).compile()
-    return throughput.executable_peak(compiled, param_bytes(model))
+def prefill_peak(model: Transformer, method, prompts: list[list[int]]) -> int:
+    """``executable_peak`` of the prefill ``generate`` would run for these prompts (compiled, not run)."""
+    lowered = lower_prefill(model, prompts, SamplerConfig(max_new_tokens=NEW), method)
+    return throughput.executable_peak(lowered.compile(), param_bytes(model))
 
 
 @pytest.mark.parametrize("prompt", [1088, 2048])
@@ -107,12 +91,13 @@ def test_activations_only_peak_is_bounded_by_shapes(model, prompt):
 def test_prefill_peak_is_activations_plus_one_layer_kv_plus_cache(model, prompt):
     """With the test above: prefill peak <= activation_bound + one layer's KV + cache, from shapes."""
     act = throughput.activation_peak(model, BATCH, prompt, param_bytes(model))
-    lengths = [prompt - 8 * i for i in range(BATCH)]
+    prompts = throughput.prompts_for(TINY, prompt, BATCH, NEW)  # rows of prompt - 8 * row tokens
+    lengths = [len(p) for p in prompts]
     layer_kv = one_layer_kv(TINY, BATCH, prompt)
     for name in ("full", "qevict", "snapkv"):
         method = make_method("full") if name == "full" else make_method(name, 0.2, recent=16)
         cache = throughput.planned_cache_bytes(method, TINY, lengths, NEW, jnp.bfloat16)
-        peak = prefill_peak(model, method, prompt)
+        peak = prefill_peak(model, method, prompts)
         assert peak >= cache  # the prefill returns its cache
         assert peak - act <= layer_kv + cache, (
             f"{name}: prefill peak {peak} - activations {act} > one layer's KV {layer_kv} + cache {cache}"
