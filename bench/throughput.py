@@ -27,7 +27,7 @@ GPU (``--gpu``): random bf16 weights in Llama-3.1-8B shapes, built on the device
 one call stays under 8 minutes.
 
 ``--prefill-memory``: only the prefill memory columns, from the compiled programs (compiled, not run), so
-that long contexts cost compile time only.
+that long contexts cost compile time only; SnapKV (β = 0.2, a token-pool baseline) is measured too.
 
 Usage:
   python bench/throughput.py [--contexts 2048] [--batches 1,4] [--new-tokens 16]
@@ -83,6 +83,11 @@ def methods() -> list[tuple[str, KVMethod]]:
         ("QEvict β=0.2", make_method("qevict", 0.2)),
         ("QEvict β=0.1", make_method("qevict", 0.1)),
     ]
+
+
+def memory_methods() -> list[tuple[str, KVMethod]]:
+    """``methods()`` and a token-pool baseline (SnapKV at β = 0.2), for ``--prefill-memory``."""
+    return [*methods(), ("SnapKV β=0.2", make_method("snapkv", 0.2))]
 
 
 def random_llama31_8b() -> Transformer:
@@ -257,7 +262,7 @@ def prefill_memory(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_sta
         layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
         act = activation_peak(model, batch, bucket_length(max(len(x) for x in prompts)), param_bytes)
         ref_peak = None
-        for label, method in methods():
+        for label, method in memory_methods():
             peak = executable_peak(
                 lower_prefill(model, prompts, sampler, method, kv_dtype=kv_dtype).compile(), param_bytes
             )
