@@ -7,8 +7,9 @@ each with its ratio to Full-KV in the same row.
 Peak memory is XLA's buffer assignment of the compiled executable that ran (``memory_analysis()``:
 arguments + outputs - aliased (donated) + temporaries), less the parameters: the most bytes the program
 holds at once besides the weights. "prefill peak" is that of the jitted prefill; "decode peak" of the decode
-loop. The prefill bound printed beside it is one layer's full KV of the padded prompt in the compute dtype
-plus the compressed cache. On a GPU the device's ``peak_bytes_in_use`` high-water mark is printed too; on the
+loop. "activations-only peak" is that of the same prefill forward with no KV cache at all
+(``_activation_prefill``, compiled, not run); the bound on the prefill is: prefill peak - activations-only
+peak <= one layer's full KV of the padded prompt in the compute dtype + the method's cache ("bound held"). On a GPU the device's ``peak_bytes_in_use`` high-water mark is printed too; on the
 CPU the process's RSS high-water (``resource.getrusage``) once at the end (it only grows, so it is not split
 per row).
 
@@ -25,8 +26,12 @@ GPU (``--gpu``): random bf16 weights in Llama-3.1-8B shapes, built on the device
 ``--contexts 32768,65536,131072``, batch 1, stopping before ``--time-limit`` seconds (default 420) so that
 one call stays under 8 minutes.
 
+``--prefill-memory``: only the prefill memory columns, from the compiled programs (compiled, not run), so
+that long contexts cost compile time only; SnapKV (β = 0.2, a token-pool baseline) is measured too.
+
 Usage:
   python bench/throughput.py [--contexts 2048] [--batches 1,4] [--new-tokens 16]
+  python bench/throughput.py --prefill-memory --contexts 2048,4096,8192 --batches 1,4
   python bench/throughput.py --contexts 2048 --cache-memory 200000000 --max-batch 32
   python bench/throughput.py --gpu
 """
@@ -47,10 +52,10 @@ from flax import nnx
 
 from models.checkpoint import load_model
 from models.config import ModelConfig
-from models.model import Transformer
+from models.model import Transformer, uncached_attend
 from models.registry import resolve_model
 from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length
-from qevict_jax.generate import GenerationResult, generate
+from qevict_jax.generate import GenerationResult, generate, lower_prefill
 from qevict_jax.kv import KVMethod
 from qevict_jax.methods import make_method
 from qevict_jax.sampling import SamplerConfig
@@ -78,6 +83,11 @@ def methods() -> list[tuple[str, KVMethod]]:
         ("QEvict β=0.2", make_method("qevict", 0.2)),
         ("QEvict β=0.1", make_method("qevict", 0.1)),
     ]
+
+
+def memory_methods() -> list[tuple[str, KVMethod]]:
+    """``methods()`` and a token-pool baseline (SnapKV at β = 0.2), for ``--prefill-memory``."""
+    return [*methods(), ("SnapKV β=0.2", make_method("snapkv", 0.2))]
 
 
 def random_llama31_8b() -> Transformer:
@@ -109,9 +119,9 @@ def planned_cache_bytes(
     return int(sum(np.prod(s.shape, dtype=np.int64) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
 
 
-def program_peak(name: str, param_bytes: int) -> int:
-    """XLA's peak buffer bytes of the executable ``name`` ran last, less the parameters (see module doc)."""
-    stats = EXECUTABLES.latest(name).memory_analysis()
+def executable_peak(compiled: Any, param_bytes: int) -> int:
+    """XLA's peak buffer bytes of a compiled executable, less the parameters (see module doc)."""
+    stats = compiled.memory_analysis()
     total = (
         stats.argument_size_in_bytes
         + stats.output_size_in_bytes
@@ -119,6 +129,32 @@ def program_peak(name: str, param_bytes: int) -> int:
         + stats.temp_size_in_bytes
     )
     return int(total - param_bytes)
+
+
+def program_peak(name: str, param_bytes: int) -> int:
+    """``executable_peak`` of the executable ``name`` ran last."""
+    return executable_peak(EXECUTABLES.latest(name), param_bytes)
+
+
+def _activation_prefill(graphdef, state, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """The prefill's forward pass without any KV cache: tokens [B, P] right-padded, lengths [B] -> logits at
+    each row's last prompt token [B, V]. Its peak is what the prompt's activations alone need."""
+    model: Transformer = nnx.merge(graphdef, state)
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, _ = model(tokens, positions, None, uncached_attend, logit_index=lengths - 1)
+    return logits
+
+
+def activation_peak(model: Transformer, batch: int, prompt_capacity: int, param_bytes: int) -> int:
+    """``executable_peak`` of ``_activation_prefill`` compiled (not run) for [batch, prompt_capacity] tokens."""
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((batch, prompt_capacity), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    compiled = (
+        jax.jit(_activation_prefill, static_argnums=0).lower(graphdef, state, tokens, lengths).compile()
+    )
+    return executable_peak(compiled, param_bytes)
 
 
 def device_peak() -> int | None:
@@ -162,14 +198,24 @@ def mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:.1f}"
 
 
-def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float) -> None:
-    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
-    print(
-        "| context | batch | method | TTFT (s) | TPOT (ms) | decode tok/s | tok/s vs Full | cache MB | cache vs Full "
-        "| memory ratio | prefill peak MB | prefill vs Full | 1 layer KV + cache MB | decode peak MB "
-        "| decode peak vs Full | device peak MB |"
+PREFILL_MEMORY_HEADER = (
+    "| prefill peak MB | prefill vs Full | activations-only peak MB | prefill - activations MB "
+    "| 1 layer KV + cache MB | bound held |"
+)
+
+
+def prefill_memory_columns(peak: int, ref_peak: int, act: int, layer_kv: int, cache_bytes: int) -> str:
+    """The prefill memory columns of a row (``PREFILL_MEMORY_HEADER``): the peak, its ratio to Full-KV's, the
+    activations-only peak, the difference and the bound it is held to (one layer's KV + the cache)."""
+    held = "yes" if peak - act <= layer_kv + cache_bytes else "NO"
+    return (
+        f"| {mb(peak)} | {peak / ref_peak:.3f} | {mb(act)} | {mb(peak - act)} | {mb(layer_kv + cache_bytes)} "
+        f"| {held} |"
     )
-    print("|" + "---|" * 16)
+
+
+def rows(cfg, args, t_start: float):
+    """(context, batch, prompts) of the sweep, until ``--time-limit`` (then a line says where it stopped)."""
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
             if args.time_limit and time.perf_counter() - t_start > args.time_limit:
@@ -177,21 +223,54 @@ def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float
                     f"(stopped: --time-limit {args.time_limit} s reached before context {context}, batch {batch})"
                 )
                 return
-            prompts = prompts_for(cfg, context, batch, args.new_tokens)
-            layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
-            ref = None
-            for label, method in methods():
-                r = measure(model, cfg, prompts, sampler, method, kv_dtype, param_bytes)
-                ref = ref or r
-                print(
-                    f"| {len(prompts[0])} | {batch} | {label} | {r['ttft_s']:.3f} | {r['tpot_ms']:.1f} "
-                    f"| {r['tok_s']:.1f} | {r['tok_s'] / ref['tok_s']:.2f}x | {mb(r['cache_bytes'])} "
-                    f"| {r['cache_bytes'] / ref['cache_bytes']:.3f} | {r['memory_ratio']:.3f} "
-                    f"| {mb(r['prefill_peak'])} | {r['prefill_peak'] / ref['prefill_peak']:.3f} "
-                    f"| {mb(layer_kv + r['cache_bytes'])} | {mb(r['decode_peak'])} "
-                    f"| {r['decode_peak'] / ref['decode_peak']:.3f} | {mb(r['device_peak'])} |",
-                    flush=True,
-                )
+            yield context, batch, prompts_for(cfg, context, batch, args.new_tokens)
+
+
+def sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float) -> None:
+    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
+    print(
+        "| context | batch | method | TTFT (s) | TPOT (ms) | decode tok/s | tok/s vs Full | cache MB | cache vs Full "
+        "| memory ratio " + PREFILL_MEMORY_HEADER + " decode peak MB | decode peak vs Full | device peak MB |"
+    )
+    print("|" + "---|" * 19)
+    for _, batch, prompts in rows(cfg, args, t_start):
+        layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
+        act = activation_peak(model, batch, bucket_length(max(len(x) for x in prompts)), param_bytes)
+        ref = None
+        for label, method in methods():
+            r = measure(model, cfg, prompts, sampler, method, kv_dtype, param_bytes)
+            ref = ref or r
+            memory = prefill_memory_columns(
+                r["prefill_peak"], ref["prefill_peak"], act, layer_kv, r["cache_bytes"]
+            )
+            print(
+                f"| {len(prompts[0])} | {batch} | {label} | {r['ttft_s']:.3f} | {r['tpot_ms']:.1f} "
+                f"| {r['tok_s']:.1f} | {r['tok_s'] / ref['tok_s']:.2f}x | {mb(r['cache_bytes'])} "
+                f"| {r['cache_bytes'] / ref['cache_bytes']:.3f} | {r['memory_ratio']:.3f} {memory} "
+                f"{mb(r['decode_peak'])} | {r['decode_peak'] / ref['decode_peak']:.3f} | {mb(r['device_peak'])} |",
+                flush=True,
+            )
+
+
+def prefill_memory(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start: float) -> None:
+    """``--prefill-memory``: the prefill memory columns of the sweep from the compiled programs alone
+    (``generate.lower_prefill``; nothing runs, so long contexts cost compile time only)."""
+    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
+    print("| context | batch | method | cache MB " + PREFILL_MEMORY_HEADER)
+    print("|" + "---|" * 10)
+    for _, batch, prompts in rows(cfg, args, t_start):
+        layer_kv = one_layer_kv(cfg, prompts, compute_dtype)
+        act = activation_peak(model, batch, bucket_length(max(len(x) for x in prompts)), param_bytes)
+        ref_peak = None
+        for label, method in memory_methods():
+            peak = executable_peak(
+                lower_prefill(model, prompts, sampler, method, kv_dtype=kv_dtype).compile(), param_bytes
+            )
+            ref_peak = ref_peak or peak
+            cache = planned_cache_bytes(method, cfg, [len(p) for p in prompts], args.new_tokens, kv_dtype)
+            columns = prefill_memory_columns(peak, ref_peak, act, layer_kv, cache)
+            print(f"| {len(prompts[0])} | {batch} | {label} | {mb(cache)} {columns}", flush=True)
+        release()
 
 
 def fixed_memory(model, cfg, args, kv_dtype, param_bytes) -> None:
@@ -233,6 +312,9 @@ def main(argv: list[str] | None = None) -> None:
         "--cache-memory", type=float, default=None, help="bytes of cache: largest batch per method"
     )
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument(
+        "--prefill-memory", action="store_true", help="prefill memory columns only, from compiled programs"
+    )
     ap.add_argument("--time-limit", type=float, default=None, help="seconds; stop starting new rows after it")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -259,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.cache_memory:
         fixed_memory(model, cfg, args, kv_dtype, param_bytes)
+    elif args.prefill_memory:
+        prefill_memory(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start)
     else:
         sweep(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start)
     if jax.default_backend() == "cpu":

@@ -6,6 +6,9 @@ Key positions of ``-1`` mark invalid (empty) key slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -99,44 +102,171 @@ def chunked_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D], one query chunk at a time.
 
-    Memory is O(chunk * Tk) per head instead of O(Tq * Tk). Also returns the exact column sums of the
-    attention probabilities, ``mass [B, Hkv, G, Tk]`` (float32): the attention each key received from
-    every valid query (``q_valid`` [B, Tq], default all), which cumulative scoring methods need.
+    Also returns the exact column sums of the attention probabilities, ``mass [B, Hkv, G, Tk]`` (float32):
+    the attention each key received from every valid query (``q_valid`` [B, Tq], default all), which
+    cumulative scoring methods need. The mass is a pass of its own: a caller that drops it does not run it
+    (XLA removes the unused loop).
 
     causal_blocks (default: Tq == Tk): queries and keys are the same tokens with non-decreasing positions,
-    so query chunk i only needs keys [0, end of chunk i): the key blocks after it are skipped (half the work
-    of a causal prefill). Masking by positions still applies inside the kept blocks.
+    so query chunk i only needs keys [0, end of chunk i). Then the attention runs flash style over blocks of
+    ``chunk`` queries x ``chunk`` keys with an online softmax (``flash_causal_attention``): the key blocks
+    after each query chunk are skipped (half the work of a causal prefill) and the working memory is a few
+    [B, H, chunk, chunk] blocks whatever the prompt length. The mass re-visits the same blocks with each
+    query's final log-sum-exp (``causal_column_mass``). Masking by positions applies inside every block.
+    Otherwise (any positions): a ``lax.scan`` over query chunks against all keys, O(chunk * Tk) per head.
     """
-    b, tq, h, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    g = h // hkv
+    b, tq = q.shape[:2]
     if q_valid is None:
         q_valid = jnp.ones((b, tq), bool)
     if causal_blocks is None:
-        causal_blocks = tq == tk
+        causal_blocks = tq == k.shape[1]
     if not causal_blocks:
         return _scan_chunked_attention(q, k, v, q_pos, k_pos, sliding_window, chunk, q_valid)
-    # [B, Hkv, T, D] keys/values and [B, Hkv, G, T, D] queries: each block is one batched matmul over Hkv
-    kt = k.transpose(0, 2, 1, 3).astype(jnp.float32)
-    vt = v.transpose(0, 2, 1, 3).astype(jnp.float32)
-    qt = (q.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4) * d**-0.5).astype(jnp.float32)
+    out, lse = flash_causal_attention(q, k, v, q_pos, k_pos, sliding_window, chunk)
+    mass = causal_column_mass(q, k, q_pos, k_pos, lse, q_valid, sliding_window, chunk)
+    return out, mass
+
+
+def over_blocks(fn: Callable[..., Any], carry: Any, t: int, size: int, count: Any = None) -> Any:
+    """``carry = fn(carry, start, length)`` over consecutive blocks [start, start + length) of ``t`` positions.
+
+    The ``t // size`` full blocks run in a ``lax.fori_loop`` (``start`` traced), then the static tail block
+    of ``t % size``. count: run only the first ``count`` full blocks (may be traced) and no tail.
+    """
+    n, tail = divmod(t, size)
+    if n:  # (a loop body is traced at the block size even when it runs zero times)
+        carry = jax.lax.fori_loop(0, n if count is None else count, lambda j, c: fn(c, j * size, size), carry)
+    if tail and count is None:
+        carry = fn(carry, n * size, tail)
+    return carry
+
+
+def _causal_blocks(query_chunk: Callable[..., Any], carry: Any, t: int, chunk: int) -> Any:
+    """Visit every causal (query chunk, key block) pair of T = t tokens once, in order of query chunks.
+
+    ``carry = query_chunk(carry, qs, qlen, key_blocks)`` runs for each query chunk [qs, qs + qlen)
+    (``over_blocks``: the full chunks in a loop, then the tail). ``key_blocks(block, c)`` runs
+    ``c = block(c, ks, klen)`` over the key blocks [ks, ks + klen) up to and including the chunk's own.
+    """
+    n = t // chunk
+
+    def one(carry, qs, qlen):
+        if qlen == chunk:  # full chunk i = qs / chunk: key blocks 0..i
+            key_blocks = lambda block, c: over_blocks(block, c, t, chunk, count=qs // chunk + 1)
+        else:  # the tail chunk: every full key block, then its own (the tail)
+            key_blocks = lambda block, c: over_blocks(block, c, n * chunk + qlen, chunk)
+        return query_chunk(carry, qs, qlen, key_blocks)
+
+    return over_blocks(one, carry, t, chunk)
+
+
+def _query_block(q: jax.Array, qs: Any, qlen: int, hkv: int) -> jax.Array:
+    """Queries [qs, qs + qlen) of q [B, T, H, D] as [B, Hkv, G*qlen, D] f32 scaled by D^-1/2 (head h = kv*G + g;
+    row m = g*qlen + query)."""
+    b, _, h, d = q.shape
+    qi = jax.lax.dynamic_slice_in_dim(q, qs, qlen, 1).reshape(b, qlen, hkv, h // hkv, d)
+    return (qi.transpose(0, 2, 3, 1, 4) * d**-0.5).astype(jnp.float32).reshape(b, hkv, -1, d)
+
+
+def _key_block(k: jax.Array, ks: Any, klen: int) -> jax.Array:
+    """Keys (or values) [ks, ks + klen) of k [B, T, Hkv, D] as [B, Hkv, klen, D] f32."""
+    return jax.lax.dynamic_slice_in_dim(k, ks, klen, 1).astype(jnp.float32).transpose(0, 2, 1, 3)
+
+
+def _block_mask(q_pos, k_pos, qs, qlen, ks, klen, g: int, sliding_window: int | None) -> jax.Array:
+    """[B, 1, G*qlen, klen] mask of a block: ``attention_mask`` of its positions, repeated over the G rows."""
+    qp = jax.lax.dynamic_slice_in_dim(q_pos, qs, qlen, 1)
+    kp = jax.lax.dynamic_slice_in_dim(k_pos, ks, klen, 1)
+    mask = attention_mask(qp, kp, sliding_window)  # [B, qlen, klen]
+    return jnp.tile(mask, (1, g, 1))[:, None]
+
+
+def flash_causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    sliding_window: int | None,
+    chunk: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of q [B, T, H, D] over the same tokens' k, v [B, T, Hkv, D] (positions q_pos, k_pos
+    [B, T], non-decreasing; k_pos -1 = invalid key) in blocks of ``chunk`` queries x ``chunk`` keys with an
+    online softmax (running max m, sum l, output accumulator; key blocks after the query chunk skipped).
+
+    Returns (out [B, T, H, D] in q's dtype, log-sum-exp [B, Hkv, G, T] f32 of each query's logits; a query
+    with no visible key has out 0 and lse 0). Working memory: a few [B, H, chunk, chunk] f32 blocks.
+    """
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+
+    def query_chunk(carry, qs, qlen, key_blocks):
+        out, lse = carry
+        qi = _query_block(q, qs, qlen, hkv)
+
+        def block(c, ks, klen):
+            m, total, acc = c
+            mask = _block_mask(q_pos, k_pos, qs, qlen, ks, klen, g, sliding_window)
+            s = jnp.where(mask, jnp.einsum("bkmd,bksd->bkms", qi, _key_block(k, ks, klen)), NEG_INF)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkms,bksd->bkmd", p, _key_block(v, ks, klen))
+            return m_new, total * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+        rows = g * qlen
+        init = (
+            jnp.full((b, hkv, rows), NEG_INF, jnp.float32),
+            jnp.zeros((b, hkv, rows), jnp.float32),
+            jnp.zeros((b, hkv, rows, d), jnp.float32),
+        )
+        m, total, acc = key_blocks(block, init)
+        seen = total > 0
+        o = acc / jnp.where(seen, total, 1.0)[..., None]
+        o = o.reshape(b, hkv, g, qlen, d).transpose(0, 3, 1, 2, 4).reshape(b, qlen, h, d)
+        lse_i = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), 0.0).reshape(b, hkv, g, qlen)
+        out = jax.lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), qs, 1)
+        return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_i, qs, 3)
+
+    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros((b, hkv, g, t), jnp.float32))
+    return _causal_blocks(query_chunk, init, t, chunk)
+
+
+def causal_column_mass(
+    q: jax.Array,
+    k: jax.Array,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    lse: jax.Array,
+    q_valid: jax.Array,
+    sliding_window: int | None,
+    chunk: int,
+) -> jax.Array:
+    """Column sums [B, Hkv, G, T] f32 of the causal attention probabilities of ``flash_causal_attention``
+    (same blocks, same logits), each query weighted by q_valid [B, T]: the probabilities of a block are
+    ``exp(logit - lse)`` with the final log-sum-exp lse [B, Hkv, G, T] of each query."""
+    b, t, h, _ = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
     weight = q_valid.astype(jnp.float32)
-    mass = jnp.zeros((b, hkv, g, tk), jnp.float32)
-    outs = []
-    for start in range(0, tq, chunk):
-        end = min(start + chunk, tq)
-        c = end - start
-        qi = qt[:, :, :, start:end].reshape(b, hkv, g * c, d)
-        s = jnp.einsum("bkmd,bksd->bkms", qi, kt[:, :, :end]).reshape(b, hkv, g, c, end)
-        mask = attention_mask(q_pos[:, start:end], k_pos[:, :end], sliding_window)[:, None, None]
-        s = jnp.where(mask, s, NEG_INF)
-        p = jnp.exp(s - s.max(-1, keepdims=True))
-        p = jnp.where(mask, p / p.sum(-1, keepdims=True), 0.0)
-        o = jnp.einsum("bkms,bksd->bkmd", p.reshape(b, hkv, g * c, end), vt[:, :, :end])
-        outs.append(o.reshape(b, hkv, g, c, d))
-        mass = mass.at[..., :end].add(jnp.einsum("bkgts,bt->bkgs", p, weight[:, start:end]))
-    out = jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d)
-    return out.astype(q.dtype), mass
+
+    def query_chunk(mass, qs, qlen, key_blocks):
+        qi = _query_block(q, qs, qlen, hkv)
+        lse_i = jax.lax.dynamic_slice_in_dim(lse, qs, qlen, 3).reshape(b, hkv, g * qlen)
+        w_i = jnp.tile(jax.lax.dynamic_slice_in_dim(weight, qs, qlen, 1), (1, g)).reshape(b, g, qlen)
+
+        def block(mass, ks, klen):
+            mask = _block_mask(q_pos, k_pos, qs, qlen, ks, klen, g, sliding_window)
+            s = jnp.einsum("bkmd,bksd->bkms", qi, _key_block(k, ks, klen))
+            p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
+            add = jnp.einsum("bkgcs,bgc->bkgs", p.reshape(b, hkv, g, qlen, klen), w_i)
+            now = jax.lax.dynamic_slice_in_dim(mass, ks, klen, 3)
+            return jax.lax.dynamic_update_slice_in_dim(mass, now + add, ks, 3)
+
+        return key_blocks(block, mass)
+
+    return _causal_blocks(query_chunk, jnp.zeros((b, hkv, g, t), jnp.float32), t, chunk)
 
 
 def prompt_attention(

@@ -46,6 +46,9 @@ class LayerContext:
     hidden: jax.Array | None = None
 
 
+TOKEN_CHUNK = 512
+"""Tokens per chunk of a layer's position-wise parts (norms, projections, MLP) in a long forward pass."""
+
 # (q [B,T,H,D] post-RoPE, k [B,T,Hkv,D] post-RoPE, v [B,T,Hkv,D], layer_cache, ctx) -> (out [B,T,H,D], cache)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, LayerContext], tuple[jax.Array, Any]]
 
@@ -91,6 +94,43 @@ def uncached_attend(q, k, v, layer_cache, ctx: LayerContext):
     """Causal attention over the current tokens only (no cache); ``layer_cache`` is passed through."""
     out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window)
     return out, layer_cache
+
+
+def over_token_chunks(
+    fn: Callable[..., tuple[jax.Array, ...]],
+    inputs: tuple[jax.Array, ...],
+    chunk: int,
+    state: tuple[jax.Array, ...] | None = None,
+) -> tuple[jax.Array, ...]:
+    """Apply a position-wise function ``chunk`` tokens at a time.
+
+    inputs: arrays [B, T, ...]. ``fn(state_chunk, *input_chunks)`` maps the chunks [B, C, ...] of one token
+    range to the outputs' chunks. state: output buffers [B, T, ...] that ``fn`` updates (it gets their
+    chunks; the buffers are updated in place: each range is read before it is written), or None for fresh
+    outputs (``fn`` gets None; shapes and dtypes from ``fn`` itself). Full chunks run in a
+    ``lax.fori_loop``, then the static tail. With T <= chunk this is ``fn(state, *inputs)`` on the whole
+    arrays: decode steps and short prompts compute exactly what an unchunked layer does.
+    """
+    b, t = inputs[0].shape[:2]
+    if t <= chunk:
+        return tuple(fn(state, *inputs))
+    if state is None:
+        shapes = jax.eval_shape(lambda *a: fn(None, *a), *(a[:, :chunk] for a in inputs))
+        state = tuple(jnp.zeros((b, t, *s.shape[2:]), s.dtype) for s in shapes)
+        fresh = True
+    else:
+        fresh = False
+
+    def run(start, size, state):
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, 1)
+        new = fn(None if fresh else tuple(take(a) for a in state), *(take(a) for a in inputs))
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(a, n, start, 1) for a, n in zip(state, new, strict=True)
+        )
+
+    n, tail = divmod(t, chunk)
+    state = jax.lax.fori_loop(0, n, lambda i, st: run(i * chunk, chunk, st), tuple(state))
+    return run(n * chunk, tail, state) if tail else state
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -162,28 +202,50 @@ class Transformer(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shapes["lm_head"], dtype))
 
-    def _layer(self, x: jax.Array, p: dict[str, jax.Array], layer_cache: Any, ctx: LayerContext, attend):
-        """One decoder layer: x [B, T, Dm] -> x [B, T, Dm]."""
+    def _layer(
+        self,
+        x: jax.Array,
+        p: dict[str, jax.Array],
+        layer_cache: Any,
+        ctx: LayerContext,
+        attend: AttendFn,
+        token_chunk: int,
+    ) -> tuple[jax.Array, Any]:
+        """One decoder layer: x [B, T, Dm] -> x [B, T, Dm].
+
+        The position-wise parts (norms, q/k/v projections and RoPE; output projection, residuals and MLP) run
+        over ``token_chunk`` tokens at a time (``over_token_chunks``), the second pass updating x in place:
+        besides x, q, k, v and the attention output, a long prompt's layer holds [B, token_chunk, ...]
+        temporaries (the MLP's [B, token_chunk, F]), not [B, T, F].
+        """
         cfg = self.cfg
-        b, t, _ = x.shape
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q = h @ p["wq"]
-        k = h @ p["wk"]
-        v = h @ p["wv"]
-        if cfg.attention_bias:
-            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, ctx.positions, ctx.inv_freq)
-        k = apply_rope(k, ctx.positions, ctx.inv_freq)
-        attn, layer_cache = attend(q, k, v, layer_cache, dataclasses.replace(ctx, wo=p["wo"], hidden=h))
-        x = x + attn.reshape(b, t, -1).astype(x.dtype) @ p["wo"]
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+        hq, hkv = cfg.num_heads, cfg.num_kv_heads
+
+        def project(_, xc, pos):  # xc [B, C, Dm], pos [B, C] -> q [B, C, H, D], k, v [B, C, Hkv, D]
+            b, c, _ = xc.shape
+            h = rms_norm(xc, p["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            if cfg.attention_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q = q.reshape(b, c, hq, cfg.head_dim)
+            k = k.reshape(b, c, hkv, cfg.head_dim)
+            v = v.reshape(b, c, hkv, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+            return apply_rope(q, pos, ctx.inv_freq), apply_rope(k, pos, ctx.inv_freq), v
+
+        q, k, v = over_token_chunks(project, (x, ctx.positions), token_chunk)
+        hidden = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)  # computed only if the attend fn reads it
+        attn, layer_cache = attend(q, k, v, layer_cache, dataclasses.replace(ctx, wo=p["wo"], hidden=hidden))
+
+        def output_and_mlp(state, ac):  # x [B, C, Dm], attention output [B, C, H, D] -> x [B, C, Dm]
+            (xc,) = state
+            xc = xc + ac.reshape(*ac.shape[:2], -1).astype(xc.dtype) @ p["wo"]
+            h = rms_norm(xc, p["mlp_norm"], cfg.rms_norm_eps)
+            return (xc + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"],)
+
+        (x,) = over_token_chunks(output_and_mlp, (attn,), token_chunk, state=(x,))
         return x, layer_cache
 
     def __call__(
@@ -193,11 +255,13 @@ class Transformer(nnx.Module):
         cache: Any = None,
         attend: AttendFn = uncached_attend,
         logit_index: jax.Array | None = None,
+        token_chunk: int = TOKEN_CHUNK,
     ) -> tuple[jax.Array, Any]:
         """Forward pass.
 
         tokens, positions: [B, T] int32. cache: pytree with leading [L] axis on every array, or None.
         logit_index: [B] int32, when given only the logits at ``tokens[b, logit_index[b]]`` are computed.
+        token_chunk: tokens per chunk of the position-wise parts of each layer (``_layer``).
         Returns (logits [B, T, V] float32, or [B, V] with logit_index; the updated cache).
         """
         cfg = self.cfg
@@ -213,7 +277,7 @@ class Transformer(nnx.Module):
                 x, cache = carry
                 p, layer = xs
                 ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
-                x, cache = self._layer(x, p, cache, ctx, attend)
+                x, cache = self._layer(x, p, cache, ctx, attend, token_chunk)
                 return (x, cache), None
 
             (x, cache), _ = jax.lax.scan(body_stacked, (x, cache), (stacked, layer_ids))
@@ -225,7 +289,7 @@ class Transformer(nnx.Module):
                 p, layer = xs
                 ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
                 old = read_layer(cache, layer)
-                x, new = self._layer(x, p, old, ctx, attend)
+                x, new = self._layer(x, p, old, ctx, attend, token_chunk)
                 return (x, write_layer(cache, old, new, layer)), None
 
             (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, layer_ids))

@@ -260,12 +260,21 @@ def write_slot(buf: jax.Array, x: jax.Array, slot: jax.Array, enabled: jax.Array
 
 def shared_prompt_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, ctx: LayerContext, chunk: int
-) -> tuple[jax.Array, jax.Array]:
-    """(out [B, T, H, D], column mass [B, Hkv, G, T]) of the prompt pass: ``ctx.prompt_attention`` when a
-    shared prefill computed it, else ``models.attention.prompt_attention``."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(out [B, T, H, D], column mass [B, Hkv, G, T], q, k, v) of the prompt pass: ``ctx.prompt_attention``
+    when a shared prefill computed it, else ``models.attention.prompt_attention``.
+
+    q, k, v come back through a ``lax.optimization_barrier`` with the attention output: what the caller
+    computes from them (scores, window copies, quantization) is then scheduled after the attention, and its
+    temporaries never coexist with the attention's blocks (XLA's scheduler hoisted them there: measured).
+    The mass stays outside the barrier, so that XLA still drops its pass when the caller does not read it.
+    """
     if ctx.prompt_attention is not None:
-        return ctx.prompt_attention
-    return prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, chunk)
+        out, mass = ctx.prompt_attention
+    else:
+        out, mass = prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, chunk)
+    out, q, k, v = jax.lax.optimization_barrier((out, q, k, v))
+    return out, mass, q, k, v
 
 
 def fill_sink_and_ring(
@@ -280,18 +289,20 @@ def fill_sink_and_ring(
     caps = cache.caps
     s = caps.sink
     b, t = k.shape[:2]
-    kt, vt = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, Hkv, T, D]
-    take = lambda x, idx: jnp.take_along_axis(x, jnp.clip(idx, 0, t - 1)[:, None, :, None], axis=2)
+
+    def take(x, idx):  # tokens idx [B, N] of x [B, T, Hkv, D] -> [B, Hkv, N, D]; no transposed prompt copy
+        return jnp.take_along_axis(x, jnp.clip(idx, 0, t - 1)[:, :, None, None], axis=1).swapaxes(1, 2)
+
     sink_pos = jnp.arange(s, dtype=jnp.int32)
     sink_ok = (sink_pos[None] < lengths[:, None])[:, None, :, None]
     sink_idx = jnp.broadcast_to(sink_pos, (b, s))
     ring_pos = ring_positions(lengths, caps)
     ring_ok = ring_valid(lengths, routed, caps)
     cache = cache.replace(
-        sink_k=jnp.where(sink_ok, take(kt, sink_idx), 0).astype(cache.sink_k.dtype),
-        sink_v=jnp.where(sink_ok, take(vt, sink_idx), 0).astype(cache.sink_v.dtype),
-        local_k=jnp.where(ring_ok[:, None, :, None], take(kt, ring_pos), 0).astype(cache.local_k.dtype),
-        local_v=jnp.where(ring_ok[:, None, :, None], take(vt, ring_pos), 0).astype(cache.local_v.dtype),
+        sink_k=jnp.where(sink_ok, take(k, sink_idx), 0).astype(cache.sink_k.dtype),
+        sink_v=jnp.where(sink_ok, take(v, sink_idx), 0).astype(cache.sink_v.dtype),
+        local_k=jnp.where(ring_ok[:, None, :, None], take(k, ring_pos), 0).astype(cache.local_k.dtype),
+        local_v=jnp.where(ring_ok[:, None, :, None], take(v, ring_pos), 0).astype(cache.local_v.dtype),
         next_win=routed.astype(jnp.int32),
     )
     return cache, ring_ok

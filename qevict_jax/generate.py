@@ -119,22 +119,12 @@ def generate_shared(
         groups = [(list(range(len(methods))), Fanout(tuple(methods)), budgets)]
     for members, prefill_method, budget_tokens in groups:
         t0 = time.perf_counter()
-        (first, caches), compile_s = EXECUTABLES.run(
-            prefill_jit,
-            {
-                0: graphdef,
-                5: prefill_method,
-                6: sampler,
-                7: budget_tokens,
-                8: capacity_new,
-                9: kv_dtype,
-                10: mesh,
-            },
+        static, args = _prefill_call(
             graphdef,
             state,
-            place_rows(tokens, mesh),
-            place_rows(lengths, mesh),
-            place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh),
+            tokens,
+            lengths,
+            seed,
             prefill_method,
             sampler,
             budget_tokens,
@@ -142,6 +132,7 @@ def generate_shared(
             kv_dtype,
             mesh,
         )
+        (first, caches), compile_s = EXECUTABLES.run(prefill_jit, static, *args)
         first.block_until_ready()
         prefill_s = time.perf_counter() - t0 - compile_s
         if not isinstance(prefill_method, Fanout):
@@ -163,6 +154,49 @@ def generate_shared(
             )
             results[i].compile_s += compile_s
     return results  # type: ignore[return-value]
+
+
+def _prefill_call(
+    graphdef,
+    state,
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    seed: int,
+    method: Any,
+    sampler: SamplerConfig,
+    budget_tokens: Any,
+    capacity_new: int,
+    kv_dtype: Any,
+    mesh: Mesh | None,
+) -> tuple[dict[int, Any], tuple[Any, ...]]:
+    """(static arguments, arguments) of ``prefill_jit`` for tokens [B, P] right-padded, lengths [B]: inputs
+    placed on the mesh, the prefill's random key drawn from ``seed`` as ``generate`` draws it."""
+    static = {0: graphdef, 5: method, 6: sampler, 7: budget_tokens, 8: capacity_new, 9: kv_dtype, 10: mesh}
+    key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
+    args = (graphdef, state, place_rows(tokens, mesh), place_rows(lengths, mesh), key)
+    return static, (*args, method, sampler, budget_tokens, capacity_new, kv_dtype, mesh)
+
+
+def lower_prefill(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    sampler: SamplerConfig,
+    method: KVMethod | None = None,
+    budget_rounding: str = "bucket",
+    kv_dtype: Any = DEFAULT_KV_DTYPE,
+) -> Any:
+    """The jitted prefill that ``generate(model, prompts, sampler, method, ...)`` runs, lowered for these
+    prompts and not run: ``.compile().memory_analysis()`` is XLA's buffer assignment of that prefill, what
+    ``bench/throughput.py`` reports as its peak, without a prompt pass."""
+    method = method or FullKV()
+    check_prompts(prompts, model.cfg, sampler)
+    tokens, lengths = pad_prompts(prompts)
+    budget_tokens = tokens_for_budget(method, lengths, sampler.max_new_tokens, budget_rounding)
+    graphdef, state = nnx.split(model)
+    _, args = _prefill_call(
+        graphdef, state, tokens, lengths, 0, method, sampler, budget_tokens, sampler.max_new_tokens, kv_dtype, None
+    )
+    return prefill_jit.lower(*args)
 
 
 def _continue(

@@ -160,18 +160,17 @@ def pool_prefill_layer(
     hkv = k.shape[2]
     lengths = cache.length
     positions = ctx.positions
-    out, mass = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
+    out, mass, q, k, v = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
     scores = ranking.prefill_token_scores(q, k, v, positions, lengths, mass, ctx, caps)  # [B, Hkv, T]
     routed = jnp.maximum(0, lengths - s - caps.recent)  # tokens leaving the ring: S <= p < S + routed
     eligible = (positions >= s) & (positions < s + routed[:, None])
     layer_cap = jnp.asarray(caps.layer_caps, jnp.int32)[ctx.layer] if caps.layer_caps else caps.pool_per_head
     pos, head, slot_score = allocation.select(scores, eligible, caps.pool_per_head, layer_cap)
-    flat = head * t + jnp.clip(pos, 0, t - 1)  # [B, NP]
-    kt = k.swapaxes(1, 2).reshape(b, hkv * t, -1)  # [B, Hkv*T, D]
-    vt = v.swapaxes(1, 2).reshape(b, hkv * t, -1)
+    rows = jnp.arange(b)[:, None]
+    at = (rows, jnp.clip(pos, 0, t - 1), head)  # slot -> (row, position, KV head) of k, v [B, T, Hkv, D]
     ok = (pos >= 0)[..., None]
-    hp_k = jnp.where(ok, jnp.take_along_axis(kt, flat[..., None], axis=1), 0).astype(cache.hp_k.dtype)
-    hp_v = jnp.where(ok, jnp.take_along_axis(vt, flat[..., None], axis=1), 0).astype(cache.hp_v.dtype)
+    hp_k = jnp.where(ok, k[at], 0).astype(cache.hp_k.dtype)  # [B, NP, D], no transposed copy of the prompt
+    hp_v = jnp.where(ok, v[at], 0).astype(cache.hp_v.dtype)
     kept = jnp.sum(pos >= 0, axis=1, dtype=jnp.int32)
     evicted = hkv * jnp.sum(eligible, axis=1, dtype=jnp.int32) - kept
 

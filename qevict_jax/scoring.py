@@ -29,12 +29,13 @@ CriticalKV's value-aware two-stage selection over it (``CriticalKVRanking``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from models.attention import NEG_INF, attention_mask, grouped_scores
+from models.attention import NEG_INF, attention_mask, over_blocks
 from models.model import LayerContext
 
 
@@ -67,7 +68,7 @@ def observation_mass(
     before position 0 and for keys at or after ``end``). ``pool`` > 1: each row is max-pooled over
     ``pool`` neighbouring keys (centred, as SnapKV's ``max_pool1d``), then masked to keys before ``end``.
     """
-    rows = observation_attention(q, k, end, n_obs, sliding_window).mean(axis=(1, 2))  # [B, n, T]
+    rows = observation_attention(q, k, end, n_obs, sliding_window, lambda p: p.mean(axis=(1, 2)))  # [B, n, T]
     if pool > 1:
         pooled = jax.lax.reduce_window(
             rows,
@@ -420,24 +421,70 @@ def prompt_windows(x: jax.Array, sink: int, window: int, num_windows: int) -> ja
 # ------------------------------------------------------------------------ token scores of prompt-based methods
 
 
+OBS_KEY_BLOCK = 512
+"""Keys per block of the observation-window attention (``observation_attention``)."""
+
+
 def observation_attention(
-    q: jax.Array, k: jax.Array, end: jax.Array, n_obs: int, sliding_window: int | None
+    q: jax.Array,
+    k: jax.Array,
+    end: jax.Array,
+    n_obs: int,
+    sliding_window: int | None,
+    reduce: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """Attention rows of the ``n_obs`` queries just before ``end`` [B] (the observation window).
 
     q [B, T, H, D], k [B, T, Hkv, D] post-RoPE at positions 0..T-1; keys at positions >= end are masked.
-    Returns probs [B, Hkv, G, n_obs, T] f32 (row i = query at position end - n_obs + i, causal; rows before
-    position 0 are zero).
+    The probabilities probs [B, Hkv, G, n_obs, T] f32 (row i = query at position end - n_obs + i, causal;
+    rows before position 0 are zero) are computed over blocks of ``OBS_KEY_BLOCK`` keys: a first pass takes
+    each row's running max and sum (online softmax), a second normalizes each block and hands it to
+    ``reduce`` (probs of C keys -> [..., C], default the identity), so the temporaries are a few blocks and
+    the result is ``reduce``'s output for every key, [..., T].
     """
-    b, t = q.shape[:2]
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
     idx = end[:, None] - n_obs + jnp.arange(n_obs, dtype=jnp.int32)  # [B, n_obs]
     q_pos = jnp.where(idx >= 0, idx, -1)
-    qo = jnp.take_along_axis(q, jnp.clip(idx, 0, t - 1)[:, :, None, None], axis=1)
+    qo = jnp.take_along_axis(q, jnp.clip(idx, 0, t - 1)[:, :, None, None], axis=1)  # [B, n, H, D]
+    qo = qo.reshape(b, n_obs, hkv, g, d).astype(jnp.float32) * d**-0.5
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    k_pos = jnp.where(pos < end[:, None], pos, -1)
-    logits = grouped_scores(qo, k)
-    mask = attention_mask(q_pos, k_pos, sliding_window)[:, None, None]
-    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1), 0.0)
+    k_pos = jnp.where(pos < end[:, None], pos, -1)  # [B, T]
+    reduce = reduce or (lambda p: p)
+
+    def logits(start, size):  # -> (logits [B, Hkv, G, n, C] masked to NEG_INF, mask)
+        kb = jax.lax.dynamic_slice_in_dim(k, start, size, 1).astype(jnp.float32)
+        mask = attention_mask(q_pos, jax.lax.dynamic_slice_in_dim(k_pos, start, size, 1), sliding_window)
+        mask = mask[:, None, None]
+        return jnp.where(mask, jnp.einsum("bnkgd,bskd->bkgns", qo, kb), NEG_INF), mask
+
+    def stats(carry, start, size):
+        m, total = carry
+        s, mask = logits(start, size)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        return m_new, total * jnp.exp(m - m_new) + p.sum(-1)
+
+    rows = (b, hkv, g, n_obs)
+    m, total = over_blocks(
+        stats, (jnp.full(rows, NEG_INF, jnp.float32), jnp.zeros(rows, jnp.float32)), t, OBS_KEY_BLOCK
+    )
+    total = jnp.where(total > 0, total, 1.0)
+
+    def probs(start, size):
+        s, mask = logits(start, size)
+        return jnp.where(mask, jnp.exp(s - m[..., None]) / total[..., None], 0.0)
+
+    def write(out, start, size):
+        return jax.lax.dynamic_update_slice_in_dim(out, reduce(probs(start, size)), start, out.ndim - 1)
+
+    # the result buffer starts as the first block's result, padded: a zero-filled buffer depends on nothing,
+    # and XLA's scheduler allocated it early, alive across the prompt attention (measured); the loop then
+    # writes every block (the first again, with the same values)
+    first = reduce(probs(0, min(t, OBS_KEY_BLOCK)))
+    out = jnp.pad(first, [(0, 0)] * (first.ndim - 1) + [(0, t - first.shape[-1])])
+    return over_blocks(write, out, t, OBS_KEY_BLOCK)
 
 
 def avg_pool(x: jax.Array, n: jax.Array, kernel: jax.Array, left: jax.Array, replicate: bool) -> jax.Array:
@@ -472,8 +519,7 @@ def snapkv_scores(
     attention to the prefix keys (positions < end - n_obs), average pooling (kernel ``kernel``, zero padded),
     then the mean over the query heads of each KV group (GQA).
     """
-    probs = observation_attention(q, k, end, n_obs, sliding_window)  # [B, Hkv, G, n, T]
-    rows = probs.mean(axis=3)  # [B, Hkv, G, T]
+    rows = observation_attention(q, k, end, n_obs, sliding_window, lambda p: p.mean(axis=3))  # [B, Hkv, G, T]
     prefix = jnp.broadcast_to((end - n_obs)[:, None, None], rows.shape[:3])
     pooled = avg_pool(rows, prefix, kernel, kernel // 2, replicate=False)
     return pooled.mean(axis=2)

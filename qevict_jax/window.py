@@ -20,8 +20,8 @@ from qevict_jax.cache import (
     window_mask,
     write_token,
 )
-from qevict_jax.routing import apply_plan, plan_for_row
-from qevict_jax.scoring import Ranking, prompt_windows
+from qevict_jax.routing import RoutingPlan, apply_plan, compact, plan_for_row
+from qevict_jax.scoring import Ranking
 
 # ---------------------------------------------------------------------------------------------- prefill
 
@@ -46,7 +46,7 @@ def prefill_layer(
     s, w = caps.sink, caps.window
     b, t = q.shape[:2]
     lengths = cache.length
-    out, mass = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
+    out, mass, q, k, v = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
     nwp = max(0, -(-(t - s) // w))
     scores = ranking.prefill_window_scores(
         q, k, lengths, mass, s, w, nwp, ctx.cfg.sliding_window, v=v, wo=ctx.wo
@@ -55,15 +55,14 @@ def prefill_layer(
     routed = jnp.maximum(0, jnp.floor_divide(lengths - s - caps.recent, w))  # [B] windows leaving the prompt
     win_ids = jnp.arange(nwp, dtype=jnp.int32)
     cand_win = jnp.where(win_ids[None] < routed[:, None], win_ids[None], -1)  # [B, NWP]
-    kw = prompt_windows(k, s, w, nwp).transpose(0, 3, 1, 2, 4)  # [B, Hkv, NWP, W, D]
-    vw = prompt_windows(v, s, w, nwp).transpose(0, 3, 1, 2, 4)
-
-    def place(row, c_win, c_score, c_k, c_v):
-        # the tiers are empty: no window is demoted or promoted, so nothing but the candidates is quantized
-        plan = plan_for_row(row, c_win, c_score, promotion)
-        return apply_plan(row, plan, c_k, c_v, c_win, ctx.inv_freq, bound=0)
-
-    cache = jax.vmap(place)(cache, cand_win, scores, kw, vw)
+    # the tiers are empty: no window is demoted or promoted, so only candidates move (F copy or quantized)
+    plan = jax.vmap(lambda row, c_win, c_score: plan_for_row(row, c_win, c_score, promotion))(
+        cache, cand_win, scores
+    )
+    kept_win, plan, kw, vw = kept_windows(plan, cand_win, k, v, s, w, caps.nf, caps.nl)
+    cache = jax.vmap(
+        lambda row, p, c_k, c_v, c_win: apply_plan(row, p, c_k, c_v, c_win, ctx.inv_freq, bound=0)
+    )(cache, plan, kw, vw, kept_win)
 
     # sinks and the ring tail
     cache, _ = fill_sink_and_ring(cache, k, v, lengths, routed)
@@ -74,6 +73,42 @@ def prefill_layer(
     loc_score = jnp.where(s + slot_win * w < lengths[:, None], loc_score, 0.0)
     cache = cache.replace(loc_score=loc_score.astype(jnp.float32))
     return out, cache
+
+
+def kept_windows(
+    plan: RoutingPlan,
+    cand_win: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    sink: int,
+    window: int,
+    nf: int,
+    nl: int,
+) -> tuple[jax.Array, RoutingPlan, jax.Array, jax.Array]:
+    """The prompt windows a prefill plan keeps, gathered from the prompt's K/V, and the plan over them.
+
+    plan: [B]-batched ``RoutingPlan`` of the candidates cand_win [B, NWP] (-1 = none); k, v [B, T, Hkv, D].
+    Only the M = min(NWP, NF + NL) windows that go to F or Q are copied out of k and v (the others are
+    evicted and never read), so the placement's temporaries scale with the cache, not with the prompt.
+    Returns (window ids [B, M], -1 = none; the plan with ``c2f_target``/``c2q_target`` over them [B, M];
+    their keys and values [B, Hkv, M, W, D]).
+    """
+    b, nwp = cand_win.shape
+    m = min(nwp, nf + nl)
+    keep = (plan.c2f_target < nf) | (plan.c2q_target < nl)  # [B, NWP]
+    pick = jax.vmap(lambda row: compact(row, m))(keep)  # [B, M], NWP = none
+    sel = jnp.clip(pick, 0, max(nwp - 1, 0))
+    none = pick >= nwp
+    take = lambda a, fill: jnp.where(none, fill, jnp.take_along_axis(a, sel, axis=1))
+    plan = plan._replace(c2f_target=take(plan.c2f_target, nf), c2q_target=take(plan.c2q_target, nl))
+    tok = (sink + sel[:, :, None] * window + jnp.arange(window, dtype=jnp.int32)).reshape(b, m * window)
+    tok = jnp.clip(tok, 0, k.shape[1] - 1)[:, :, None, None]
+
+    def windows(x):  # [B, T, Hkv, D] -> [B, Hkv, M, W, D]
+        xw = jnp.take_along_axis(x, tok, axis=1).reshape(b, m, window, *x.shape[2:])
+        return xw.transpose(0, 3, 1, 2, 4)
+
+    return take(cand_win, -1), plan, windows(k), windows(v)
 
 
 # ---------------------------------------------------------------------------------------------- decode

@@ -9,6 +9,7 @@ import pytest
 
 from models.config import ModelConfig
 from models.model import LayerContext
+from qevict_jax import scoring
 from qevict_jax.methods import make_method
 from qevict_jax.pool import Allocation
 from qevict_jax.scoring import (
@@ -63,10 +64,12 @@ def np_windows(x: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("key_block", [16, 24, 512])  # T = 80: 5 full key blocks; 3 and a tail of 8; a tail
 @pytest.mark.parametrize(
     "kind,n_obs,pool", [("cumulative", 32, 0), ("cumulative", 16, 5), ("decayed", 32, 0), ("pnorm", 8, 3)]
 )
-def test_observation_window_scores_match_float64_reference(kind, n_obs, pool):
+def test_observation_window_scores_match_float64_reference(kind, n_obs, pool, key_block, monkeypatch):
+    monkeypatch.setattr(scoring, "OBS_KEY_BLOCK", key_block)
     q, k = _inputs(1)
     ranking = make_ranking(kind, decay=0.9, p=3.0, n_obs=n_obs, pool=pool)
     got = np.asarray(
