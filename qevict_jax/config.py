@@ -32,6 +32,9 @@ class CacheConfig:
         "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill).
     n_obs: observation window: the last ``n_obs`` prompt queries whose attention initializes the scores.
     pool: max-pool kernel over neighbouring tokens of the observation rows (SnapKV-style; 0 = none).
+    spill: tokens after a prompt window whose windows inherit its prefill score when it is higher (the
+        windows covering ``spill`` tokens, ``ceil(spill / W)``; 0 = none): what the observation window
+        attends to is where an answer starts, and the continuation that is read next is kept with it.
     decay: per-query decay factor of the "decayed" ranking.
     p: exponent of the "pnorm" ranking.
     promotion: allow Q -> F promotions at routing.
@@ -58,6 +61,7 @@ class CacheConfig:
     ranking: str = "cumulative"
     n_obs: int = 32
     pool: int = 0
+    spill: int = 8
     decay: float = 0.98
     p: float = 3.0
     promotion: bool = True
@@ -109,6 +113,8 @@ class CacheConfig:
             raise ValueError(f"n_obs must be >= 1, got {self.n_obs}")
         if self.pool < 0:
             raise ValueError(f"pool must be >= 0 (0 = no pooling), got {self.pool}")
+        if self.spill < 0:
+            raise ValueError(f"spill must be >= 0 (0 = none), got {self.spill}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if self.prefill_chunk < 1:

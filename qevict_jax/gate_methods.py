@@ -142,7 +142,7 @@ class GateQEvict(QEvict):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
         ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx))
         out, cache = prefill_layer(
-            q, k, v, layer_cache, ctx, ranking, self.cache.promotion, self.cache.prefill_chunk
+            q, k, v, layer_cache, ctx, ranking, self.cache
         )
         return out, scores_to_keys(cache)
 

@@ -17,6 +17,7 @@ from flax import struct
 
 from models.model import LayerContext
 from pallas_kernels.reference import combine_partials, dense_partial
+from qevict_jax.attention_scores import head_top_mask
 from qevict_jax.budget import pyramid_layer_caps
 from qevict_jax.cache import (
     PoolCache,
@@ -27,7 +28,7 @@ from qevict_jax.cache import (
     write_token,
 )
 from qevict_jax.routing import _rank, assign_slots, mark_routed, ring_candidates
-from qevict_jax.scoring import TokenRanking, head_top_mask
+from qevict_jax.scoring import TokenRanking
 
 
 class PoolAttention(struct.PyTreeNode):

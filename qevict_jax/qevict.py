@@ -33,6 +33,7 @@ QEVICT_OPTIONS = (
     "ranking",
     "n_obs",
     "pool",
+    "spill",
     "decay",
     "p",
     "promotion",
@@ -77,7 +78,7 @@ class QEvict(SizedByCapacities):
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
         return prefill_layer(
-            q, k, v, layer_cache, ctx, self.ranking, self.cache.promotion, self.cache.prefill_chunk
+            q, k, v, layer_cache, ctx, self.ranking, self.cache
         )
 
     def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:

@@ -12,12 +12,13 @@ from test_quant import np_quantize
 from models.attention import chunked_attention
 from models.config import ModelConfig
 from models.model import LayerContext
+from qevict_jax.attention_scores import restkv_scores
 from qevict_jax.budget import pyramid_layer_caps
 from qevict_jax.cache import ring_positions, ring_valid
 from qevict_jax.kv import full_kv_bytes
 from qevict_jax.methods import make_method
 from qevict_jax.routing import rotate_windows
-from qevict_jax.scoring import Ranking, make_ranking, restkv_scores, window_sums
+from qevict_jax.scoring import Ranking, make_ranking, window_sums
 from qevict_jax.window import prefill_layer
 
 MODEL = ModelConfig(
@@ -396,7 +397,7 @@ def test_kivi_quantization_matches_numpy(name, bits):
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
     q = jnp.asarray(rs.randn(1, t, H, D), jnp.float32)
-    _, cache = prefill_layer(q, jnp.asarray(k), jnp.asarray(v), cache, ctx, method.ranking, False, 512)
+    _, cache = prefill_layer(q, jnp.asarray(k), jnp.asarray(v), cache, ctx, method.ranking, method.cache)
     win = np.asarray(cache.ledger.win[0])
     n_routed = (t - 128) // 32
     assert sorted(win[win >= 0].tolist()) == list(range(n_routed))  # nothing evicted

@@ -9,7 +9,7 @@ import pytest
 
 from models.config import ModelConfig
 from models.model import LayerContext
-from qevict_jax import scoring
+from qevict_jax import attention_scores, scoring
 from qevict_jax.methods import make_method
 from qevict_jax.pool import Allocation
 from qevict_jax.scoring import (
@@ -69,7 +69,7 @@ def np_windows(x: np.ndarray) -> np.ndarray:
     "kind,n_obs,pool", [("cumulative", 32, 0), ("cumulative", 16, 5), ("decayed", 32, 0), ("pnorm", 8, 3)]
 )
 def test_observation_window_scores_match_float64_reference(kind, n_obs, pool, key_block, monkeypatch):
-    monkeypatch.setattr(scoring, "OBS_KEY_BLOCK", key_block)
+    monkeypatch.setattr(attention_scores, "OBS_KEY_BLOCK", key_block)
     q, k = _inputs(1)
     ranking = make_ranking(kind, decay=0.9, p=3.0, n_obs=n_obs, pool=pool)
     got = np.asarray(
@@ -192,3 +192,11 @@ def test_a_pool_policy_is_a_ranking_and_an_allocation(name, options, ranking, al
     method = make_method(name, 0.2, **options)
     assert method.ranking == ranking and type(method.ranking) is type(ranking)
     assert method.allocation == allocation
+
+
+@pytest.mark.parametrize("windows", [0, 1, 2, 5, 40])
+def test_spill_forward_is_the_max_over_the_preceding_windows(windows):
+    rng = np.random.default_rng(windows)
+    s = rng.standard_normal((3, 17)).astype(np.float32)
+    want = np.stack([[s[b, max(0, w - windows) : w + 1].max() for w in range(17)] for b in range(3)])
+    np.testing.assert_array_equal(np.asarray(scoring.spill_forward(jnp.asarray(s), windows)), want)

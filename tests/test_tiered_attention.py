@@ -3,6 +3,7 @@ reference partial, and tier masses."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,7 +18,7 @@ from models.model import LayerContext, Transformer
 from pallas_kernels.quant import QuantizedWindows
 from pallas_kernels.reference import QuantTier, ledger_partial
 from qevict_jax.cache import init_cache
-from qevict_jax.config import Capacities, ring_capacity
+from qevict_jax.config import CacheConfig, Capacities, ring_capacity
 from qevict_jax.kv import FullKV
 from qevict_jax.methods import cache_stats, make_method
 from qevict_jax.scoring import Ranking
@@ -122,7 +123,7 @@ def jitted_layer(caps: Capacities):
         cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
         pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
         ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
-        _, cache = prefill_layer(q, k, v, cache, ctx, ranking, True, 16)
+        _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16, spill=0))
         ctx1 = LayerContext(positions=lengths[:, None], layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
         out, cache1 = decode_layer(q1, k1, v1, cache, ctx1, ranking)
         att = tier_attention(
@@ -245,3 +246,45 @@ def test_ledger_reference_matches_float64():
     # a row without a valid slot contributes nothing (and no NaN)
     assert np.all(np.asarray(lsum)[1] == 0) and np.all(np.asarray(out)[1] == 0)
     assert np.all(np.asarray(slot_mass)[1] == 0) and np.all(np.isfinite(np.asarray(m)))
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenScores(Ranking):
+    """A ranking whose prompt window scores are given (placement tests)."""
+
+    scores: tuple[float, ...] = ()
+
+    def prefill_window_scores(
+        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
+    ):
+        s = jnp.asarray(self.scores, jnp.float32)[:num_windows]
+        return jnp.broadcast_to(s, (q.shape[0], num_windows))
+
+
+@pytest.mark.parametrize(
+    "spill, nf, want",
+    [
+        (0, 2, [{1, 3}, {1, 3}]),
+        (W, 2, [{3, 4}, {3, 4}]),  # the window after the best inherits its score
+        (2 * W, 3, [{3, 4, 5}, {1, 3, 4}]),  # row 1 routes windows 0..4 only
+        (W + 1, 3, [{3, 4, 5}, {1, 3, 4}]),  # spill counts tokens: ceil((W + 1) / W) = 2 windows
+    ],
+)
+def test_prefill_scores_spill_forward_into_the_next_windows(spill, nf, want):
+    """Placement with ``spill``: a window takes the highest score of the windows covering the ``spill``
+    tokens before it (``scoring.spill_forward``); the tiers then take the top windows (F only here)."""
+    caps = Capacities(
+        sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=nf, nq=0, nl=0, nw_max=16, bits=2, omega=8
+    )
+    ranking = GivenScores(scores=(1.0, 5.0, 0.5, 9.0, 0.1, 0.2, 3.0, 0.0))
+    q, k, v = layer_inputs(3, T)
+    lengths = jnp.asarray(LENGTHS)
+    cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
+    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+    ctx = LayerContext(
+        positions=pos, layer=jnp.int32(0), inv_freq=jnp.asarray(INV_FREQ, jnp.float32), cfg=MODEL
+    )
+    _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16, spill=spill))
+    for b in range(2):
+        fp_win = np.asarray(cache.fp_win[b])
+        assert set(fp_win[fp_win >= 0].tolist()) == want[b]

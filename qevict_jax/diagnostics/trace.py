@@ -3,7 +3,7 @@ same token sequences (prompt = the first P tokens, then G decode steps feeding t
 
 Full-KV reference (``reference_trace``): one causal forward over prompt + targets; per layer, the head-mean
 attention rows of the last G queries (decode step g = the query at position P + g) and of the prompt's last
-``n_obs`` queries (what the cache's default ranking starts from), i.e. ``scoring.observation_mass`` with
+``n_obs`` queries (what the cache's default ranking starts from), i.e. ``attention_scores.observation_mass`` with
 ``end`` = the full length. Rows are per token ([rows, L, T]); ``window_mass`` sums them per window for each
 policy's W. The keys the rows attend over are rounded to the cache's storage dtype, as a Full-KV decode
 reads them.
@@ -29,13 +29,14 @@ from flax import nnx
 
 from models.attention import chunked_attention
 from models.model import LayerContext, Transformer
+from qevict_jax.attention_scores import observation_mass
 from qevict_jax.cache import TieredCache
 from qevict_jax.compiled import EXECUTABLES
 from qevict_jax.config import num_windows
 from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.eval.fidelity import fidelity_sample
 from qevict_jax.kv import DEFAULT_KV_DTYPE, KVMethod
-from qevict_jax.scoring import Ranking, observation_mass
+from qevict_jax.scoring import Ranking
 
 # ---------------------------------------------------------------------------------------------- reference
 
