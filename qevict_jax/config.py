@@ -32,9 +32,10 @@ class CacheConfig:
         "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill).
     n_obs: observation window: the last ``n_obs`` prompt queries whose attention initializes the scores.
     pool: max-pool kernel over neighbouring tokens of the observation rows (SnapKV-style; 0 = none).
-    spill: tokens after a prompt window whose windows inherit its prefill score when it is higher (the
-        windows covering ``spill`` tokens, ``ceil(spill / W)``; 0 = none): what the observation window
-        attends to is where an answer starts, and the continuation that is read next is kept with it.
+    spill: tokens after a window whose windows are ranked with its score when it is higher (the
+        ``ceil(spill / W)`` windows covering them; 0 = none), at prefill placement and at every routing
+        event (``scoring.spilled_key``): attention points at where an answer starts, and the continuation
+        read next stays in the same tier. The stored scores stay each window's own.
     decay: per-query decay factor of the "decayed" ranking.
     p: exponent of the "pnorm" ranking.
     promotion: allow Q -> F promotions at routing.

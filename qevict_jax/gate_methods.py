@@ -130,20 +130,18 @@ class GateQEvict(QEvict):
     """
 
     name: str = "qevict-gates"
-    cache: CacheConfig = CacheConfig(ranking="gates")
+    cache: CacheConfig = CacheConfig(ranking="gates", spill=0)  # retention is per token: no spill
     gates: str = ""
     options: ClassVar[tuple[str, ...]] = GATE_QEVICT_OPTIONS
 
     @property
     def ranking(self) -> GateRanking:
-        return GateRanking()
+        return GateRanking(spill=self.spill_windows)
 
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
-        ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx))
-        out, cache = prefill_layer(
-            q, k, v, layer_cache, ctx, ranking, self.cache
-        )
+        ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx), spill=self.spill_windows)
+        out, cache = prefill_layer(q, k, v, layer_cache, ctx, ranking, self.cache)
         return out, scores_to_keys(cache)
 
     def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):

@@ -194,7 +194,17 @@ def lower_prefill(
     budget_tokens = tokens_for_budget(method, lengths, sampler.max_new_tokens, budget_rounding)
     graphdef, state = nnx.split(model)
     _, args = _prefill_call(
-        graphdef, state, tokens, lengths, 0, method, sampler, budget_tokens, sampler.max_new_tokens, kv_dtype, None
+        graphdef,
+        state,
+        tokens,
+        lengths,
+        0,
+        method,
+        sampler,
+        budget_tokens,
+        sampler.max_new_tokens,
+        kv_dtype,
+        None,
     )
     return prefill_jit.lower(*args)
 

@@ -60,7 +60,14 @@ class QEvict(SizedByCapacities):
     @property
     def ranking(self) -> Ranking:
         c = self.cache
-        return make_ranking(c.ranking, decay=c.decay, p=c.p, n_obs=c.n_obs, pool=c.pool)
+        return make_ranking(
+            c.ranking, decay=c.decay, p=c.p, n_obs=c.n_obs, pool=c.pool, spill=self.spill_windows
+        )
+
+    @property
+    def spill_windows(self) -> int:
+        """Windows covering the ``spill`` tokens after a window (its ranking key spills over them)."""
+        return -(-self.cache.spill // self.cache.window)
 
     def capacities(
         self,
@@ -77,9 +84,7 @@ class QEvict(SizedByCapacities):
 
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
-        return prefill_layer(
-            q, k, v, layer_cache, ctx, self.ranking, self.cache
-        )
+        return prefill_layer(q, k, v, layer_cache, ctx, self.ranking, self.cache)
 
     def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
         """A routing event of every layer and row of a stacked cache (windows that left the recent region

@@ -41,6 +41,7 @@ from models.attention import rope_cos_sin, rotate_half
 from pallas_kernels.quant import QuantizedWindows
 from pallas_kernels.quant import quantize_windows as quantize_pre_rope
 from qevict_jax.kv import from_words, to_words
+from qevict_jax.scoring import spilled_key
 
 
 class RoutingPlan(NamedTuple):
@@ -124,12 +125,16 @@ def plan_routing(
     *,
     nq: int,
     promotion: bool,
+    spill: int = 0,
+    num_windows: int = 0,
 ) -> RoutingPlan:
     """Plan one routing event for one row.
 
     fp_win, fp_score: [NF] (win -1 = empty). led_win, led_score: [NL], led_active: [NL] bool.
     cand_win, cand_score: [K] (win -1 = no candidate). nq: the most active Q windows (<= NL); the Q tier
     holds at most ``min(nq, NL - dormant entries after the event)`` (see the module docstring).
+    spill: windows are ranked by ``scoring.spilled_key`` over the windows taking part (ids < num_windows);
+    the scores the plan stores are the windows' own.
     """
     nf, nl, k = fp_win.shape[0], led_win.shape[0], cand_win.shape[0]
     f_valid = fp_win >= 0
@@ -137,9 +142,10 @@ def plan_routing(
     c_valid = cand_win >= 0
     valid = jnp.concatenate([f_valid, q_valid, c_valid])
     score = jnp.concatenate([fp_score, led_score, cand_score]).astype(jnp.float32)
+    key = spilled_key(jnp.concatenate([fp_win, led_win, cand_win]), score, valid, spill, num_windows)
     is_q = jnp.concatenate([jnp.zeros(nf, bool), jnp.ones(nl, bool), jnp.zeros(k, bool)])
     f_eligible = valid if promotion else valid & ~is_q
-    in_f = top_members(score, f_eligible, nf)
+    in_f = top_members(key, f_eligible, nf)
     f_in_f, q_in_f, c_in_f = jnp.split(in_f, [nf, nf + nl])
 
     # ledger: each F window's dormant entry, if it has one; which entries are dormant after the event
@@ -152,7 +158,7 @@ def plan_routing(
     q_cap = jnp.minimum(nq, nl - jnp.sum(keep_dormant | promoted, dtype=jnp.int32))
 
     q_eligible = valid & ~in_f
-    in_q = top_members(score, q_eligible, nq, q_cap)
+    in_q = top_members(key, q_eligible, nq, q_cap)
     gone = valid & ~in_f & ~in_q
     f_in_q, q_in_q, c_in_q = jnp.split(in_q, [nf, nf + nl])
     f_gone, q_gone, _ = jnp.split(gone, [nf, nf + nl])
@@ -321,7 +327,9 @@ def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
     return cand, wins % caps.ring_windows
 
 
-def plan_for_row(row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion: bool) -> RoutingPlan:
+def plan_for_row(
+    row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion: bool, spill: int = 0
+) -> RoutingPlan:
     """``plan_routing`` of one row of a ``TieredCache`` against candidates cand_win, cand_score [K]."""
     return plan_routing(
         row.fp_win,
@@ -333,6 +341,8 @@ def plan_for_row(row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion
         cand_score.astype(jnp.float32),
         nq=row.caps.nq,
         promotion=promotion,
+        spill=spill,
+        num_windows=row.caps.nw_max,
     )
 
 
@@ -344,7 +354,7 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, jax.
     cand_k = row.local_k.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_v = row.local_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_score = ranking.candidate_score(row.loc_score[ring_slot], cand_k.swapaxes(0, 1))
-    return plan_for_row(row, cand_win, cand_score, promotion), cand_k, cand_v, cand_win
+    return plan_for_row(row, cand_win, cand_score, promotion, ranking.spill), cand_k, cand_v, cand_win
 
 
 def finish_row(row: Any, plan, cand_k, cand_v, cand_win, inv_freq: jax.Array, bound: int | None) -> Any:

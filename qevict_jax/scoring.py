@@ -53,18 +53,27 @@ def window_sums(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.A
     return body.reshape(x.shape[0], num_windows, window).sum(-1)
 
 
-def spill_forward(scores: jax.Array, windows: int) -> jax.Array:
-    """Each window's score raised to the largest score of the ``windows`` windows before it.
+def spilled_key(
+    win: jax.Array, score: jax.Array, valid: jax.Array, spill: int, num_windows: int
+) -> jax.Array:
+    """Ranking key [N] of windows win [N] (ids < ``num_windows``) with scores score [N], valid [N] bool: each
+    valid window's score raised to the highest score of the valid windows among the ``spill`` ids before it,
+    ``key_w = max(s_w, s_{w-1}, ..., s_{w-spill})`` over the windows present (``spill`` = 0: the score).
 
-    scores [B, NW] -> [B, NW]: ``s'_w = max(s_w, s_{w-1}, ..., s_{w-windows})``. The observation window points
-    at where an answer *starts* (a key, the first digits of a value); what is read next lies after it, in
-    windows the question barely attends to. Spilling a window's score forward keeps that continuation in the
-    same tier as its start.
+    The observation window (and a question appended later) attends to where an answer *starts*: a key, the
+    first digits of a value. What is read next lies in the windows after it, which the question barely
+    attends to; ranking them with their start keeps an answer's continuation in the tier of its start.
     """
-    out = scores
-    for j in range(1, min(windows, scores.shape[-1] - 1) + 1):
-        out = jnp.maximum(out, jnp.pad(scores, ((0, 0), (j, 0)), constant_values=-jnp.inf)[:, :-j])
-    return out
+    if spill == 0:
+        return score
+    score = score.astype(jnp.float32)
+    dump = num_windows  # invalid entries land in one extra slot and never spill
+    dense = jnp.full((num_windows + 1,), -jnp.inf, jnp.float32).at[jnp.where(valid, win, dump)].max(score)
+    dense = dense.at[dump].set(-jnp.inf)
+    spread = dense
+    for j in range(1, min(spill, num_windows) + 1):
+        spread = jnp.maximum(spread, jnp.pad(dense, (j, 0), constant_values=-jnp.inf)[:-j])
+    return jnp.where(valid, jnp.maximum(score, spread[jnp.clip(win, 0, dump)]), score)
 
 
 def key_norms(k: jax.Array) -> jax.Array:
@@ -131,11 +140,14 @@ class Ranking(ScoreDynamics):
     query row per step. Every window-engine ranking is a subclass overriding what differs.
 
     n_obs: observation window (the last prompt queries) that initializes the attention-based scores; pool:
-    max-pool kernel over neighbouring tokens of the observation rows (0 or 1 = none).
+    max-pool kernel over neighbouring tokens of the observation rows (0 or 1 = none); spill: windows after a
+    window that are ranked with its score when it is higher (``spilled_key``, at prefill placement and at
+    every routing event; the stored scores stay each window's own).
     """
 
     n_obs: int = 32
     pool: int = 0
+    spill: int = 0
     name: ClassVar[str] = "cumulative"
 
     def prefill_window_scores(
@@ -395,7 +407,7 @@ RANKINGS: dict[str, type[Ranking]] = {
 
 
 def make_ranking(name: str, **params) -> Ranking:
-    """The ranking ``name`` with those of ``params`` (n_obs, pool, decay, p, alpha) that it has."""
+    """The ranking ``name`` with those of ``params`` (n_obs, pool, spill, decay, p, alpha) that it has."""
     if name not in RANKINGS:
         raise ValueError(f"unknown ranking {name!r}; available: {', '.join(RANKINGS)}")
     cls = RANKINGS[name]

@@ -22,7 +22,7 @@ from qevict_jax.cache import (
 )
 from qevict_jax.config import CacheConfig
 from qevict_jax.routing import RoutingPlan, apply_plan, compact, plan_for_row
-from qevict_jax.scoring import Ranking, spill_forward
+from qevict_jax.scoring import Ranking
 
 # ---------------------------------------------------------------------------------------------- prefill
 
@@ -39,10 +39,9 @@ def prefill_layer(
     """Prompt attention for one layer and routing of the prompt's KV into the tiers (DESIGN §5).
 
     q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows right-padded (row b: positions < cache.length[b]).
-    Returns (out [B, T, H, D], cache). The ranking scores every prompt window, each window's score spills
-    forward over the windows covering the next ``config.spill`` tokens (``scoring.spill_forward``), and the
-    windows ending at least R tokens before the prompt end are placed: top NF -> F, next NQ -> Q, rest
-    evicted; the tail stays in the ring. ``config``: promotion, prefill_chunk, spill.
+    Returns (out [B, T, H, D], cache). The ranking scores every prompt window, and the windows ending at
+    least R tokens before the prompt end are placed by their ranking key (``scoring.spilled_key``): top NF
+    -> F, next NQ -> Q, rest evicted; the tail stays in the ring. ``config``: promotion, prefill_chunk.
     """
     caps = cache.caps
     s, w = caps.sink, caps.window
@@ -53,15 +52,14 @@ def prefill_layer(
     scores = ranking.prefill_window_scores(
         q, k, lengths, mass, s, w, nwp, ctx.cfg.sliding_window, v=v, wo=ctx.wo
     )  # [B, NWP]
-    scores = spill_forward(scores, -(-config.spill // w))
 
     routed = jnp.maximum(0, jnp.floor_divide(lengths - s - caps.recent, w))  # [B] windows leaving the prompt
     win_ids = jnp.arange(nwp, dtype=jnp.int32)
     cand_win = jnp.where(win_ids[None] < routed[:, None], win_ids[None], -1)  # [B, NWP]
     # the tiers are empty: no window is demoted or promoted, so only candidates move (F copy or quantized)
-    plan = jax.vmap(lambda row, c_win, c_score: plan_for_row(row, c_win, c_score, config.promotion))(
-        cache, cand_win, scores
-    )
+    plan = jax.vmap(
+        lambda row, c_win, c_score: plan_for_row(row, c_win, c_score, config.promotion, ranking.spill)
+    )(cache, cand_win, scores)
     kept_win, plan, kw, vw = kept_windows(plan, cand_win, k, v, s, w, caps.nf, caps.nl)
     cache = jax.vmap(
         lambda row, p, c_k, c_v, c_win: apply_plan(row, p, c_k, c_v, c_win, ctx.inv_freq, bound=0)

@@ -21,19 +21,26 @@ from qevict_jax.scoring import Ranking
 SHAPES = [(3, 5, 3, 2), (0, 4, 4, 2), (4, 0, 0, 3), (2, 6, 3, 4), (5, 3, 3, 1)]
 
 
+NUM_WINDOWS = 128  # window ids of the random sequences stay below this
+
+
 @functools.cache
-def jitted_plan(nq: int, promotion: bool):
-    return jax.jit(functools.partial(plan_routing, nq=nq, promotion=promotion))
+def jitted_plan(nq: int, promotion: bool, spill: int = 0):
+    return jax.jit(
+        functools.partial(plan_routing, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS)
+    )
 
 
-def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset()):
+def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(), spill=0):
     """Tiers after one event by stable ranking: (set in F, set in Q).
 
     entries: list of (window, score, was_q) in plan order; with_dormant: F windows holding a dormant entry.
     The Q tier holds min(nq, nl - dormant entries after the event): F windows staying in F that hold one,
-    plus the Q windows promoted to F.
+    plus the Q windows promoted to F. spill: a window is ranked by the highest score among itself and the
+    entries of the ``spill`` window ids before it.
     """
-    order = sorted(range(len(entries)), key=lambda i: -entries[i][1])  # sorted() is stable
+    key = [max(s for v, s, _ in entries if w - spill <= v <= w) for w, _, _ in entries]
+    order = sorted(range(len(entries)), key=lambda i: -key[i])  # sorted() is stable
     f_set, q_set = set(), set()
     for i in order:
         win, _, was_q = entries[i]
@@ -54,10 +61,11 @@ def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(
     promotion=st.booleans(),
     seed=st.integers(0, 2**31),
     events=st.integers(1, 25),
+    spill=st.sampled_from([0, 1, 2]),
 )
-def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, events):
+def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, events, spill):
     nf, nl, nq, k = shape
-    plan_fn = jitted_plan(nq, promotion)
+    plan_fn = jitted_plan(nq, promotion, spill)
     rng = np.random.default_rng(seed)
     fp_win = np.full(nf, -1, np.int32)
     fp_score = np.zeros(nf, np.float32)
@@ -87,7 +95,8 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         }
         old_led_win = led_win.copy()
         old_f = {int(w) for w in fp_win if w >= 0}
-        want_f, want_q = reference_assignment(entries, nf, nq, nl, promotion, frozenset(old_dormant))
+        want_f, want_q = reference_assignment(entries, nf, nq, nl, promotion, frozenset(old_dormant), spill)
+        own = {w: sc for w, sc, _ in entries}
 
         plan = jax.tree.map(
             np.asarray, plan_fn(fp_win, fp_score, led_win, led_active, led_score, cand_win, cand_score)
@@ -107,8 +116,11 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         assert len(in_q) == int(led_active.sum()) <= nq
         assert len(set(dormant)) == len(dormant) and set(dormant) <= in_f  # dormant = copies of F windows
         assert not (led_active & (led_win < 0)).any()
-        # top NF ranked windows in F, next min(NQ, NL - dormant) in Q, the rest evicted
+        # top NF ranked windows in F, next min(NQ, NL - dormant) in Q, the rest evicted; the scores they
+        # keep are their own (the spilled key only ranks)
         assert in_f == want_f and in_q == want_q
+        assert all(fp_score[i] == own[int(w)] for i, w in enumerate(fp_win) if w >= 0)
+        assert all(led_score[i] == own[int(w)] for i, w in enumerate(led_win) if led_active[i])
         evicted |= {w for w, _, _ in entries} - in_f - in_q
         # every window ever created is in exactly one state
         assert not (in_f & in_q) and not (in_f & evicted) and not (in_q & evicted)

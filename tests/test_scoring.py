@@ -194,9 +194,22 @@ def test_a_pool_policy_is_a_ranking_and_an_allocation(name, options, ranking, al
     assert method.allocation == allocation
 
 
-@pytest.mark.parametrize("windows", [0, 1, 2, 5, 40])
-def test_spill_forward_is_the_max_over_the_preceding_windows(windows):
-    rng = np.random.default_rng(windows)
-    s = rng.standard_normal((3, 17)).astype(np.float32)
-    want = np.stack([[s[b, max(0, w - windows) : w + 1].max() for w in range(17)] for b in range(3)])
-    np.testing.assert_array_equal(np.asarray(scoring.spill_forward(jnp.asarray(s), windows)), want)
+@pytest.mark.parametrize("spill", [0, 1, 2, 5, 40])
+def test_spilled_key_is_the_max_over_the_windows_present_before(spill):
+    """Ranking key with spill against a loop over the windows present (random ids, gaps, invalid entries)."""
+    rng = np.random.default_rng(spill)
+    nw = 30
+    for _ in range(20):
+        n = 24
+        win = rng.choice(nw, size=n, replace=False).astype(np.int32)
+        valid = rng.random(n) < 0.8
+        win = np.where(rng.random(n) < 0.1, -1, win)  # empty slots
+        valid &= win >= 0
+        score = rng.standard_normal(n).astype(np.float32)
+        want = score.copy()
+        for i in range(n):
+            if valid[i]:
+                near = valid & (win <= win[i]) & (win >= win[i] - spill)
+                want[i] = score[near].max()
+        got = scoring.spilled_key(jnp.asarray(win), jnp.asarray(score), jnp.asarray(valid), spill, nw)
+        np.testing.assert_array_equal(np.asarray(got), want)

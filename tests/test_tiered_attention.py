@@ -123,7 +123,7 @@ def jitted_layer(caps: Capacities):
         cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
         pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
         ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
-        _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16, spill=0))
+        _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16))
         ctx1 = LayerContext(positions=lengths[:, None], layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
         out, cache1 = decode_layer(q1, k1, v1, cache, ctx1, ranking)
         att = tier_attention(
@@ -265,18 +265,19 @@ class GivenScores(Ranking):
     "spill, nf, want",
     [
         (0, 2, [{1, 3}, {1, 3}]),
-        (W, 2, [{3, 4}, {3, 4}]),  # the window after the best inherits its score
-        (2 * W, 3, [{3, 4, 5}, {1, 3, 4}]),  # row 1 routes windows 0..4 only
-        (W + 1, 3, [{3, 4, 5}, {1, 3, 4}]),  # spill counts tokens: ceil((W + 1) / W) = 2 windows
+        (1, 2, [{3, 4}, {3, 4}]),  # the window after the best is ranked with its score
+        (2, 3, [{3, 4, 5}, {1, 3, 4}]),  # row 1 routes windows 0..4 only
     ],
 )
-def test_prefill_scores_spill_forward_into_the_next_windows(spill, nf, want):
-    """Placement with ``spill``: a window takes the highest score of the windows covering the ``spill``
-    tokens before it (``scoring.spill_forward``); the tiers then take the top windows (F only here)."""
+def test_prefill_placement_ranks_the_next_windows_with_their_start(spill, nf, want):
+    """Placement with ``spill`` windows: a window is ranked by the highest score of itself and the ``spill``
+    windows before it (``scoring.spilled_key``); the tiers take the top windows (F only here), and the
+    scores they store stay each window's own."""
     caps = Capacities(
         sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=nf, nq=0, nl=0, nw_max=16, bits=2, omega=8
     )
-    ranking = GivenScores(scores=(1.0, 5.0, 0.5, 9.0, 0.1, 0.2, 3.0, 0.0))
+    given = (1.0, 5.0, 0.5, 9.0, 0.1, 0.2, 3.0, 0.0)
+    ranking = GivenScores(scores=given, spill=spill)
     q, k, v = layer_inputs(3, T)
     lengths = jnp.asarray(LENGTHS)
     cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
@@ -284,7 +285,9 @@ def test_prefill_scores_spill_forward_into_the_next_windows(spill, nf, want):
     ctx = LayerContext(
         positions=pos, layer=jnp.int32(0), inv_freq=jnp.asarray(INV_FREQ, jnp.float32), cfg=MODEL
     )
-    _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16, spill=spill))
+    _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16))
     for b in range(2):
         fp_win = np.asarray(cache.fp_win[b])
-        assert set(fp_win[fp_win >= 0].tolist()) == want[b]
+        held = fp_win >= 0
+        assert set(fp_win[held].tolist()) == want[b]
+        np.testing.assert_array_equal(np.asarray(cache.fp_score[b])[held], np.asarray(given, np.float32)[fp_win[held]])
