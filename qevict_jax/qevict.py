@@ -1,7 +1,8 @@
 """QEvict: the three-tier window cache as a KV method, and its named configurations (the paper's R1-R4).
 
 Every variant is a ``CacheConfig`` over the same window engine (``qevict_jax.window``): R1-R4 differ in
-window size and in whether the Q tier exists; "qevict-restkv" ranks the prompt's windows with the ReST-KV
+window size and in whether the Q tier exists; "qevict-nospill" ranks each window by its own score only (the
+ablation of ``CacheConfig.spill``); "qevict-restkv" ranks the prompt's windows with the ReST-KV
 output-change score; "qevict-all" initializes the scores from every prompt query (the ablation of the
 observation-window initialization).
 """
@@ -107,6 +108,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "r3": {"window": 8},
     "r4": {"window": 32},
     "qevict-nopromo": {"promotion": False},
+    "qevict-nospill": {"spill": 0},  # ranked by each window's own score (ablation of the spill)
     "qevict-restkv": {"ranking": "restkv"},  # ReST-KV output-change ranking of the prompt's windows
     "qevict-all": {"ranking": "cumulative-all"},  # scores initialized from every prompt query (ablation)
 }
