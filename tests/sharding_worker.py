@@ -23,8 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from tiny import tiny_llama  # noqa: E402
 
-from models.config import ModelConfig  # noqa: E402
 from models.model import Transformer  # noqa: E402
 from pallas_kernels.dispatch import use_cpu_kernel  # noqa: E402
 from qevict_jax.generate import generate  # noqa: E402
@@ -32,17 +32,7 @@ from qevict_jax.methods import cache_stats, make_method  # noqa: E402
 from qevict_jax.sampling import SamplerConfig  # noqa: E402
 from qevict_jax.sharding import make_mesh, param_specs  # noqa: E402
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=8,
-    max_position_embeddings=1024,
-)
+TINY = tiny_llama(1024)
 MESHES = [(2, 2), (1, 4), (2, 4)]
 METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16)}
 

@@ -11,14 +11,12 @@ The programs are compiled, not run. Also: chunking the layer's position-wise par
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny import load_bench, tiny_llama
 
 from models.config import ModelConfig
 from models.model import Transformer, param_shapes
@@ -26,23 +24,9 @@ from qevict_jax.generate import lower_prefill
 from qevict_jax.methods import make_method
 from qevict_jax.sampling import SamplerConfig
 
-_SPEC = importlib.util.spec_from_file_location(
-    "throughput", Path(__file__).resolve().parent.parent / "bench" / "throughput.py"
-)
-throughput = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(throughput)
+throughput = load_bench("throughput")
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=8,
-    max_position_embeddings=4096,
-)
+TINY = tiny_llama(4096)
 BATCH, NEW, CHUNK, F32 = 2, 8, 512, 4
 
 

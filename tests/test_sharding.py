@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny import tiny_llama
 
-from models.config import ModelConfig
 from models.model import Transformer
 from pallas_kernels.dispatch import use_cpu_kernel
 from qevict_jax import generate as gen
@@ -34,17 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("sharding_worker.py")
 MESHES = ["2x2", "1x4", "2x4"]
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=8,
-    max_position_embeddings=1024,
-)
+TINY = tiny_llama(1024)
 
 
 @pytest.fixture(scope="module")

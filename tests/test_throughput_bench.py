@@ -3,36 +3,19 @@ search uses are the bytes generate's cache has, and the measured peaks are the e
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from tiny import load_bench, tiny_llama
 
-from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.methods import make_method
 from qevict_jax.sampling import SamplerConfig
 
-_SPEC = importlib.util.spec_from_file_location(
-    "throughput", Path(__file__).resolve().parent.parent / "bench" / "throughput.py"
-)
-throughput = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(throughput)
+throughput = load_bench("throughput")
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=8,
-    max_position_embeddings=2048,
-)
+TINY = tiny_llama(2048)
 
 
 @pytest.fixture(scope="module")
