@@ -4,9 +4,10 @@ One prompt pass builds QEvict's cache (β = 0.2, bf16 KV) for a batch of needle 
 that same cache, interleaved and repeated:
 
 - the decode loop (``max_new_tokens`` greedy steps) with routing, without routing (same buffers,
-  ``Capacities.decode_routing=False``), and with the routing ``lax.cond`` but an identity event;
-- one routing event of the whole stacked cache (``QEvict.route``), its plan alone, each bounded migration
-  path (``routing.ROUTING_BOUNDS``) and the full one alone.
+  ``Capacities.decode_routing=False``), and with a route that returns the cache unchanged;
+- one routing event of the whole stacked cache (``QEvict.route``), the same call on a step without an
+  event (``due=False``: the idle plan, no move), the plan alone, and the moves of one row on the single-shot
+  path (``routing.finish_row``, one chunk of ``ROUTING_CHUNK`` windows and every F slot).
 
 Every timing is the median over ``--repeats`` interleaved rounds, with its spread (min-max). The last line
 is the headline: routing's share of the decode loop (with - without, over with).
@@ -37,15 +38,15 @@ from qevict_jax.methods import make_method
 from qevict_jax.needle import needle_prompt_text, needle_sample
 from qevict_jax.prefill import pad_prompts, prefill_jit, tokens_for_budget
 from qevict_jax.qevict import QEvict
-from qevict_jax.routing import ROUTING_BOUNDS, finish_row, plan_counts, plan_row
+from qevict_jax.routing import ROUTING_CHUNK, finish_row, plan_counts, plan_row
 from qevict_jax.sampling import SamplerConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class IdentityRoute(QEvict):
-    """QEvict whose routing event changes nothing: the routing ``lax.cond`` runs, the event does not."""
+    """QEvict whose routing changes nothing: the decode loop calls it, nothing runs."""
 
-    def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+    def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
         return cache
 
 
@@ -115,12 +116,13 @@ def main() -> None:
 
     rows = lambda f: jax.vmap(jax.vmap(f))
     route = jax.jit(lambda c: qevict.route(c, inv_freq), donate_argnums=0)
+    idle = jax.jit(lambda c: qevict.route(c, inv_freq, due=jnp.bool_(False)), donate_argnums=0)
     plan = jax.jit(rows(lambda r: plan_row(r, qevict.ranking, qevict.cache.promotion)))
     planned = plan(cache)
     counts = plan_counts(planned[0], cache.caps.nl)
     print(
         f"F windows a plan quantizes/dequantizes per row (max over rows): {int(counts.max())} "
-        f"(bounds {ROUTING_BOUNDS})"
+        f"(chunk {ROUTING_CHUNK})"
     )
 
     def mover(bound):
@@ -132,11 +134,12 @@ def main() -> None:
     pieces = {  # name: (function of a fresh copy of the input, input)
         "decode loop, routing": (decode(qevict), cache),
         "decode loop, no routing": (decode(qevict), no_route_cache),
-        "decode loop, cond + identity event": (decode(identity), cache),
+        "decode loop, identity route": (decode(identity), cache),
         "routing event (route)": (route, cache),
+        "route on a step without an event": (idle, cache),
         "plan only": (plan, cache),
-        **{f"move only, bound {b}": (mover(b), cache) for b in ROUTING_BOUNDS},
-        "move only, full": (mover(None), cache),
+        f"single-shot move, bound {ROUTING_CHUNK}": (mover(ROUTING_CHUNK), cache),
+        "single-shot move, every F slot": (mover(None), cache),
     }
     for fn, arg in pieces.values():  # compile and warm
         timed(fn, arg)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from models.model import LayerContext
 from qevict_jax.baselines import PoolMethod
-from qevict_jax.cache import TieredCache
+from qevict_jax.cache import SizedByCapacities, TieredCache
 from qevict_jax.config import CacheConfig
 from qevict_jax.gates import gate_params, log_beta
 from qevict_jax.pool import Allocation, pool_prefill_layer
@@ -157,9 +157,12 @@ class GateQEvict(QEvict):
         loc = jnp.where(here, jnp.maximum(cache.loc_score, lb), cache.loc_score)
         return out, cache.replace(loc_score=jnp.where(first, lb, loc))
 
-    def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+    def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
         """A routing event at t = length: keys -> scores, QEvict's routing, scores -> keys."""
-        return scores_to_keys(super().route(keys_to_scores(cache), inv_freq))
+        return scores_to_keys(super().route(keys_to_scores(cache), inv_freq, due))
+
+    # the key <-> score round trip is not exact, so it runs only at events: under the conditional
+    decode_route = SizedByCapacities.decode_route
 
 
 GATE_METHODS = {"gates": GatePool(), "gates-global": GatePoolGlobal(), "qevict-gates": GateQEvict()}

@@ -87,10 +87,17 @@ class QEvict(SizedByCapacities):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
         return prefill_layer(q, k, v, layer_cache, ctx, self.ranking, self.cache)
 
-    def route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+    def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
         """A routing event of every layer and row of a stacked cache (windows that left the recent region
-        compete, Q windows whose scores rose are promoted)."""
-        return route_stacked(cache, inv_freq, self.ranking, self.cache.promotion)
+        compete, Q windows whose scores rose are promoted); ``due`` [] bool: only if it holds (None: always)."""
+        return route_stacked(cache, inv_freq, self.ranking, self.cache.promotion, due)
+
+    def decode_route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
+        """After a decode step: ``route`` every step, moving data only when an event is due (``routing_due``;
+        no conditional around the moves, see ``routing.route_stacked``)."""
+        if not cache.caps.decode_routing:
+            return cache
+        return self.route(cache, inv_freq, due=self.routing_due(cache))
 
     def reserve(self, cache: TieredCache, total_tokens: int) -> TieredCache:
         """The window tiers are sized by the byte budget, not the length: any length fits."""

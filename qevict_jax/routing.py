@@ -248,47 +248,90 @@ def apply_plan(
 
     row: one batch row of a ``TieredCache`` (fields without the [B] axis). cand_k, cand_v: [Hkv, K, W, D]
     candidate windows (post-RoPE keys), cand_win [K]. bound: quantize and dequantize at most this many F
-    windows (the fresh F -> Q demotions and the Q -> F promotions, gathered first), or every F slot when
+    windows (the fresh F -> Q demotions and the Q -> F promotions), or as many as there are F slots when
     None; the caller guarantees that the plan's counts fit (``plan_counts``). Both give the same row.
     """
+    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
+    m = nf if bound is None else min(bound, nf)
+    row = quantize_candidates(row, plan, cand_k, cand_v, cand_win, inv_freq)
+    if nl and m:
+        row = demote_chunk(row, plan, jnp.int32(0), m, inv_freq)
+        row = promote_chunk(row, plan, jnp.int32(0), m, inv_freq)
+    return place_candidates(row, plan, cand_k, cand_v)
+
+
+def _chunk(mask: jax.Array, chunk: jax.Array, m: int) -> jax.Array:
+    """Entries [chunk * m, chunk * m + m) of the indices where ``mask`` [N] holds, in order (N = none)."""
+    n = mask.shape[0]
+    return jax.lax.dynamic_slice(compact(mask, -(-n // m) * m), (chunk * m,), (m,))
+
+
+def demote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq: jax.Array) -> Any:
+    """Quantize chunk ``chunk`` ([] int32) of ``m`` of the row's fresh F -> Q demotions into their ledger slots.
+
+    Reads F, writes only ledger slots the plan freed (never a promoted window's entry), so every chunk of
+    demotions can run before any promotion overwrites an F slot."""
     caps = row.caps
-    s, w, bits = caps.sink, caps.window, caps.bits
     nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
     dtype = row.local_k.dtype  # the KV dtype: the F tier is stored as its words (``TieredCache.fp_kw``)
+    sel = _chunk(plan.f2q_target < nl, chunk, m)  # [m] F slots (NF = none)
+    fsel = jnp.minimum(sel, nf - 1)
+    k, v = from_words(row.fp_kw[:, fsel], dtype), from_words(row.fp_vw[:, fsel], dtype)
+    entries = quantize_windows(k, v, caps.sink + row.fp_win[fsel] * caps.window, inv_freq, caps.bits)
+    target = jnp.where(sel < nf, plan.f2q_target[fsel], nl)
+    return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(target, entries)))
+
+
+def promote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq: jax.Array) -> Any:
+    """Dequantize chunk ``chunk`` ([] int32) of ``m`` of the row's Q -> F promotions into their F slots.
+
+    Reads the ledger (promoted entries stay, dormant), writes F; the row's metadata is still the old one."""
+    caps = row.caps
+    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
+    dtype = row.local_k.dtype
+    src = jnp.full((nf,), nl, jnp.int32).at[plan.q2f_target].set(jnp.arange(nl, dtype=jnp.int32), mode="drop")
+    dest = _chunk(src < nl, chunk, m)  # [m] F slots receiving a promoted window (NF = none)
+    lsel = jnp.minimum(src[jnp.minimum(dest, nf - 1)], nl - 1)
+    k, v = dequantize_windows(
+        row.ledger.codes.take(lsel), caps.sink + row.ledger.win[lsel] * caps.window, inv_freq, caps.bits
+    )
+    return row.replace(
+        fp_kw=row.fp_kw.at[:, dest].set(to_words(k, dtype), mode="drop"),
+        fp_vw=row.fp_vw.at[:, dest].set(to_words(v, dtype), mode="drop"),
+    )
+
+
+def quantize_candidates(
+    row: Any,
+    plan: RoutingPlan,
+    cand_k: jax.Array,
+    cand_v: jax.Array,
+    cand_win: jax.Array,
+    inv_freq: jax.Array,
+) -> Any:
+    """Candidates [Hkv, K, W, D] going to Q quantized into their ledger slots. The first move of an event: the
+    slots are ones the plan freed, distinct from the demotions' and never a promoted window's entry."""
+    caps = row.caps
+    if not row.ledger.win.shape[0]:
+        return row
+    entries = quantize_windows(cand_k, cand_v, caps.sink + cand_win * caps.window, inv_freq, caps.bits)
+    return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(plan.c2q_target, entries)))
+
+
+def place_candidates(row: Any, plan: RoutingPlan, cand_k: jax.Array, cand_v: jax.Array) -> Any:
+    """The last move of an event: candidates [Hkv, K, W, D] going to F copied into their slots (after the
+    demotions read theirs), and the plan's metadata and counts."""
+    dtype = row.local_k.dtype
     fp_k, fp_v = row.fp_kw, row.fp_vw
-    codes = row.ledger.codes
-    m = nf if bound is None else min(bound, nf)
-    if nl and m:
-        # sources are computed from the old state before anything is overwritten
-        fresh = compact(plan.f2q_target < nl, m) if bound is not None else jnp.arange(nf, dtype=jnp.int32)
-        fsel = jnp.minimum(fresh, nf - 1)
-        f_k, f_v = from_words(fp_k[:, fsel], dtype), from_words(fp_v[:, fsel], dtype)
-        f_entries = quantize_windows(f_k, f_v, s + row.fp_win[fsel] * w, inv_freq, bits)
-        f_target = jnp.where(fresh < nf, plan.f2q_target[fsel], nl)
-        # promotions: F slot f receives ledger slot src[f] (NL = none)
-        src = (
-            jnp.full((nf,), nl, jnp.int32)
-            .at[plan.q2f_target]
-            .set(jnp.arange(nl, dtype=jnp.int32), mode="drop")
-        )
-        dest = compact(src < nl, m)  # [m] F slots receiving a promoted window (NF = none)
-        lsel = jnp.minimum(src[jnp.minimum(dest, nf - 1)], nl - 1)
-        lk, lv = dequantize_windows(codes.take(lsel), s + row.ledger.win[lsel] * w, inv_freq, bits)
-        fp_k = fp_k.at[:, dest].set(to_words(lk, dtype), mode="drop")
-        fp_v = fp_v.at[:, dest].set(to_words(lv, dtype), mode="drop")
-        codes = codes.put(f_target, f_entries)
-    if nf:
+    if row.fp_win.shape[0]:
         fp_k = fp_k.at[:, plan.c2f_target].set(to_words(cand_k, dtype), mode="drop")
         fp_v = fp_v.at[:, plan.c2f_target].set(to_words(cand_v, dtype), mode="drop")
-    if nl:
-        codes = codes.put(plan.c2q_target, quantize_windows(cand_k, cand_v, s + cand_win * w, inv_freq, bits))
     return row.replace(
         fp_kw=fp_k,
         fp_vw=fp_v,
         fp_win=plan.fp_win,
         fp_score=plan.fp_score.astype(row.fp_score.dtype),
         ledger=row.ledger.replace(
-            codes=codes,
             win=plan.led_win,
             active=plan.led_active,
             score=plan.led_score.astype(row.ledger.score.dtype),
@@ -305,11 +348,10 @@ def plan_counts(plan: RoutingPlan, nl: int) -> jax.Array:
     return jnp.maximum(fresh, plan.promotions)
 
 
-ROUTING_BOUNDS = (2, 8)
-"""The fast paths of a routing event (``route_stacked``): each quantizes and dequantizes at most this many F
-windows per row. A decode event moves one or two windows in a row (measured on SmolLM2 at 2K: the most of any
-row was 1-2 in 14 of 16 events, 4 in the other two); an event after an appended chunk may move many and takes
-the full path."""
+ROUTING_CHUNK = 2
+"""Windows per row quantized or dequantized per iteration of an event's move loops (``route_stacked``). A
+decode event moves one or two windows in a row (measured on SmolLM2 at 2K: the most of any row was 1-2 in
+14 of 16 events, 4 in the other two); an event after an appended chunk may move many and loops more."""
 
 
 def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
@@ -362,11 +404,36 @@ def finish_row(row: Any, plan, cand_k, cand_v, cand_win, inv_freq: jax.Array, bo
     return mark_routed(apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq, bound), cand_win)
 
 
-def mark_routed(row: Any, cand_win: jax.Array) -> Any:
+def mark_routed(row: Any, cand_win: jax.Array, counted: jax.Array | bool = True) -> Any:
     """One row after a routing event over candidates cand_win [K] (-1 = none): they left the ring
-    (``next_win`` past them) and the event is counted. Either engine's row (``SinkRingCache``)."""
+    (``next_win`` past them) and, when ``counted``, the event is counted. Either engine's row
+    (``SinkRingCache``)."""
     new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
-    return row.replace(next_win=new_next, routing_events=row.routing_events + 1)
+    return row.replace(next_win=new_next, routing_events=row.routing_events + jnp.int32(counted))
+
+
+def idle_plan(row: Any) -> tuple[RoutingPlan, jax.Array, jax.Array, jax.Array]:
+    """``plan_row``'s outputs for a step without an event: nothing moves, the metadata stays, no candidate."""
+    caps = row.caps
+    nf, nl, k = row.fp_win.shape[0], row.ledger.win.shape[0], caps.max_candidates
+    hkv, _, d = row.local_k.shape
+    zero = jnp.int32(0)
+    plan = RoutingPlan(
+        fp_win=row.fp_win,
+        fp_score=row.fp_score.astype(jnp.float32),
+        led_win=row.ledger.win,
+        led_active=row.ledger.active,
+        led_score=row.ledger.score.astype(jnp.float32),
+        q2f_target=jnp.full((nl,), nf, jnp.int32),
+        c2f_target=jnp.full((k,), nf, jnp.int32),
+        f2q_target=jnp.full((nf,), nl, jnp.int32),
+        c2q_target=jnp.full((k,), nl, jnp.int32),
+        promotions=zero,
+        demotions=zero,
+        evictions=zero,
+    )
+    cand = jnp.zeros((hkv, k, caps.window, d), row.local_k.dtype)
+    return plan, cand, cand, jnp.full((k,), -1, jnp.int32)
 
 
 def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
@@ -374,22 +441,41 @@ def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> A
     return finish_row(row, *plan_row(row, ranking, promotion), inv_freq, None)
 
 
-def route_stacked(cache: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
+def route_stacked(
+    cache: Any, inv_freq: jax.Array, ranking: Any, promotion: bool, due: jax.Array | None = None
+) -> Any:
     """One routing event of every layer and row of a stacked ``TieredCache`` ([L, B] leading axes).
 
-    Plans every row first; the data then moves on the smallest path of ``ROUTING_BOUNDS`` that holds every
-    row's quantizations and dequantizations of F windows (``plan_counts``), else on the full one
-    (``lax.switch`` on the whole cache, outside the vmaps, so only one path runs). Every path gives the same
-    cache.
+    due: [] bool, whether the event happens (a decode step calls this every step); None = it does. Every row
+    is planned first (under a ``lax.cond`` on ``due``, which only reads the cache; the idle plan moves
+    nothing). The data then moves in loops of ``ROUTING_CHUNK`` windows per row, as many iterations as the
+    busiest row needs (none on an idle step): candidates to Q, all fresh demotions, all promotions, candidates to F.
+    The moves are not inside a conditional on purpose: XLA copies every buffer a conditional branch scatters
+    into (the whole F tier and ledger, most of an event's time at 8K), and a while loop updates its carry in
+    place. Gives the same cache as ``route_row`` on every row.
     """
     rows = lambda f: jax.vmap(jax.vmap(f))
-    plan, cand_k, cand_v, cand_win = rows(lambda r: plan_row(r, ranking, promotion))(cache)
-    most = jnp.max(plan_counts(plan, cache.caps.nl))
-    path = jnp.sum(most > jnp.asarray(ROUTING_BOUNDS, jnp.int32))  # index of the first bound that holds
+    plan_all = rows(lambda r: plan_row(r, ranking, promotion))
+    if due is None:
+        due = jnp.bool_(True)
+        plan, cand_k, cand_v, cand_win = plan_all(cache)
+    else:
+        plan, cand_k, cand_v, cand_win = jax.lax.cond(due, plan_all, rows(idle_plan), cache)
+    nf, nl = cache.caps.nf, cache.caps.nl
+    m = min(ROUTING_CHUNK, nf)
+    cache = rows(lambda r, p, ck, cv, cw: quantize_candidates(r, p, ck, cv, cw, inv_freq))(
+        cache, plan, cand_k, cand_v, cand_win
+    )
+    if nl and m:
+        iterations = lambda n: (jnp.max(n) + m - 1) // m
 
-    def mover(bound):
-        return lambda: rows(lambda r, p, ck, cv, cw: finish_row(r, p, ck, cv, cw, inv_freq, bound))(
-            cache, plan, cand_k, cand_v, cand_win
+        def moves(step):
+            return lambda i, c: rows(lambda r, p: step(r, p, i, m, inv_freq))(c, plan)
+
+        cache = jax.lax.fori_loop(
+            0, iterations(jnp.sum(plan.f2q_target < nl, axis=-1)), moves(demote_chunk), cache
         )
-
-    return jax.lax.switch(path, [mover(b) for b in (*ROUTING_BOUNDS, None)])
+        cache = jax.lax.fori_loop(0, iterations(plan.promotions), moves(promote_chunk), cache)
+    return rows(lambda r, p, ck, cv, cw: mark_routed(place_candidates(r, p, ck, cv), cw, due))(
+        cache, plan, cand_k, cand_v, cand_win
+    )

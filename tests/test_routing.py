@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from models.config import ModelConfig
 from qevict_jax.cache import init_cache
 from qevict_jax.config import Capacities, ring_capacity
-from qevict_jax.routing import ROUTING_BOUNDS, plan_counts, plan_routing, plan_row, route_row, route_stacked
+from qevict_jax.routing import ROUTING_CHUNK, plan_counts, plan_routing, plan_row, route_row, route_stacked
 from qevict_jax.scoring import Ranking
 
 # (NF, NL, NQ, K): F slots, ledger slots, max active Q, candidates per event
@@ -401,8 +401,9 @@ def promoting_cache(promotions: list[int]) -> object:
 
 @pytest.mark.parametrize("promotions", [[0, 0], [1, 0], [2, 1], [5, 2], [8, 3], [11, 4]])
 def test_route_stacked_takes_a_path_that_holds_the_event_and_equals_the_full_path(promotions):
-    """Events needing 0, 1-2, 3-8 and more F windows moved in some row (``ROUTING_BOUNDS`` = (2, 8), then the
-    full path): the stacked event equals every row routed on the full path, bit for bit."""
+    """Events needing 0, 1-2, 3-8 and 11 F windows moved in some row (no move loop iteration, one, several;
+    ``ROUTING_CHUNK`` = 2): the stacked event equals every row routed by ``route_row``, bit for bit, and the
+    same event passed ``due=True`` too; ``due=False`` leaves the cache as it was."""
     cache = promoting_cache(promotions)
     ranking = Ranking()
     rows = lambda f: jax.vmap(jax.vmap(f))
@@ -414,4 +415,9 @@ def test_route_stacked_takes_a_path_that_holds_the_event_and_equals_the_full_pat
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.asarray(got.promotions)[0].tolist() == promotions
-    assert ROUTING_BOUNDS == (2, 8)  # the cases above cover each path
+    assert ROUTING_CHUNK == 2  # the cases above cover 0, 1 and several iterations
+    when = jax.jit(lambda c, due: route_stacked(c, INV_FREQ, ranking, True, due))
+    for a, b in zip(jax.tree.leaves(when(cache, jnp.bool_(True))), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(when(cache, jnp.bool_(False))), jax.tree.leaves(cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
