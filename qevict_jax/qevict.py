@@ -122,5 +122,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "qevict-nospill": {"spill": 0},  # ranked by each window's own score (ablation of the spill)
     "qevict-restkv": {"ranking": "restkv"},  # ReST-KV output-change ranking of the prompt's windows
     "qevict-all": {"ranking": "cumulative-all"},  # scores initialized from every prompt query (ablation)
+    # QEvict ranked by key norm (the paper's Appendix J alternative), independent of any query: for a context
+    # compressed before its question (question-agnostic mode), where the observation window is the context's
+    # own tail and says nothing about what the question will need (README, "Question-agnostic")
+    "qevict-keynorm": {"q_frac": 0.5, "ranking": "keynorm"},
 }
 """QEvict's named configurations (``CacheConfig`` fields over the defaults)."""

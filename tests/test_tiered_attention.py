@@ -291,3 +291,31 @@ def test_prefill_placement_ranks_the_next_windows_with_their_start(spill, nf, wa
         held = fp_win >= 0
         assert set(fp_win[held].tolist()) == want[b]
         np.testing.assert_array_equal(np.asarray(cache.fp_score[b])[held], np.asarray(given, np.float32)[fp_win[held]])
+
+
+def test_qevict_keynorm_places_the_lowest_key_norm_windows_in_f_then_q():
+    """``qevict-keynorm`` (the question-agnostic configuration) at prefill: F holds the routed windows with the
+    lowest head-mean key norm, Q the next ones, the rest is evicted (float64 numpy key norms as reference)."""
+    method = make_method("qevict-keynorm", spill=0)
+    assert method.ranking.name == "keynorm" and method.cache.q_frac == 0.5
+    nf, nq = 2, 2
+    caps = Capacities(
+        sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=nf, nq=nq, nl=nq, nw_max=16, bits=2, omega=8
+    )
+    q, k, v = layer_inputs(7, T)
+    lengths = jnp.asarray(LENGTHS)
+    cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
+    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+    ctx = LayerContext(
+        positions=pos, layer=jnp.int32(0), inv_freq=jnp.asarray(INV_FREQ, jnp.float32), cfg=MODEL
+    )
+    _, cache = prefill_layer(q, k, v, cache, ctx, method.ranking, CacheConfig(prefill_chunk=16))
+    norms = np.linalg.norm(np.asarray(k, np.float64), axis=-1)  # [B, T, Hkv]
+    for b in range(2):
+        routed = (int(LENGTHS[b]) - R - S) // W  # windows that left the recent region
+        win_norm = [norms[b, S + w * W : S + (w + 1) * W].mean() for w in range(routed)]
+        order = [int(w) for w in np.argsort(win_norm, kind="stable")]
+        fp_win = np.asarray(cache.fp_win[b])
+        active = np.asarray(cache.ledger.active[b])
+        assert set(fp_win[fp_win >= 0].tolist()) == set(order[:nf])
+        assert set(np.asarray(cache.ledger.win[b])[active].tolist()) == set(order[nf : nf + nq])
