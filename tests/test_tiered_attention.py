@@ -261,6 +261,20 @@ class GivenScores(Ranking):
         return jnp.broadcast_to(s, (q.shape[0], num_windows))
 
 
+def prefill_one_layer(caps: Capacities, ranking: Ranking, seed: int):
+    """One layer's cache after the prefill of random inputs (rows of LENGTHS) placed by ``ranking``, and its
+    keys k [2, T, Hkv, D]."""
+    q, k, v = layer_inputs(seed, T)
+    lengths = jnp.asarray(LENGTHS)
+    cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
+    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+    ctx = LayerContext(
+        positions=pos, layer=jnp.int32(0), inv_freq=jnp.asarray(INV_FREQ, jnp.float32), cfg=MODEL
+    )
+    _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16))
+    return cache, k
+
+
 @pytest.mark.parametrize(
     "spill, nf, want",
     [
@@ -278,14 +292,7 @@ def test_prefill_placement_ranks_the_next_windows_with_their_start(spill, nf, wa
     )
     given = (1.0, 5.0, 0.5, 9.0, 0.1, 0.2, 3.0, 0.0)
     ranking = GivenScores(scores=given, spill=spill)
-    q, k, v = layer_inputs(3, T)
-    lengths = jnp.asarray(LENGTHS)
-    cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
-    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
-    ctx = LayerContext(
-        positions=pos, layer=jnp.int32(0), inv_freq=jnp.asarray(INV_FREQ, jnp.float32), cfg=MODEL
-    )
-    _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16))
+    cache, _ = prefill_one_layer(caps, ranking, seed=3)
     for b in range(2):
         fp_win = np.asarray(cache.fp_win[b])
         held = fp_win >= 0
@@ -302,14 +309,7 @@ def test_qevict_keynorm_places_the_lowest_key_norm_windows_in_f_then_q():
     caps = Capacities(
         sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=nf, nq=nq, nl=nq, nw_max=16, bits=2, omega=8
     )
-    q, k, v = layer_inputs(7, T)
-    lengths = jnp.asarray(LENGTHS)
-    cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
-    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
-    ctx = LayerContext(
-        positions=pos, layer=jnp.int32(0), inv_freq=jnp.asarray(INV_FREQ, jnp.float32), cfg=MODEL
-    )
-    _, cache = prefill_layer(q, k, v, cache, ctx, method.ranking, CacheConfig(prefill_chunk=16))
+    cache, k = prefill_one_layer(caps, method.ranking, seed=7)
     norms = np.linalg.norm(np.asarray(k, np.float64), axis=-1)  # [B, T, Hkv]
     for b in range(2):
         routed = (int(LENGTHS[b]) - R - S) // W  # windows that left the recent region
