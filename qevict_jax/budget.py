@@ -46,7 +46,8 @@ def solve_capacities(
     the rest buys ledger slots, the remainder F slots. Nothing else depends on ``budget_tokens``, so at a
     fixed ``budget_bytes`` NF and NQ do not change with the sequence length (unless ``max_windows`` caps
     them: more slots than windows that can exist would be allocated and never used).
-    Raises ValueError naming the minimum β when sink + recent + one window do not fit.
+    Raises ``BudgetTooSmallError`` (a ValueError naming the minimum β) when sink + recent + one window
+    do not fit.
     """
     if cache_cfg.layout == "keep_all":
         return keep_all_capacities(cache_cfg, max_windows)
@@ -69,7 +70,19 @@ def solve_capacities(
     nw = num_windows(budget_tokens, cache_cfg.sink, w) if max_windows is None else max_windows
 
     def caps(nf: int, nq: int, nl: int) -> Capacities:
-        return Capacities(cache_cfg.sink, w, recent, ring, nf, nq, nl, nw, cache_cfg.bits, cache_cfg.omega)
+        return Capacities(
+            cache_cfg.sink,
+            w,
+            recent,
+            ring,
+            nf,
+            nq,
+            nl,
+            nw,
+            cache_cfg.bits,
+            cache_cfg.omega,
+            quant=cache_cfg.quant,
+        )
 
     fixed = _cache_bytes(caps(0, 0, 0), model_cfg, batch, dtype)
     per_f = _cache_bytes(caps(1, 0, 0), model_cfg, batch, dtype) - fixed
@@ -79,12 +92,12 @@ def solve_capacities(
     need = min(per_f / (1 - q) if q < 1 else math.inf, per_l / q if q > 0 else math.inf)
     hist = budget - fixed
     if hist < need:
-        min_beta = (fixed + need) / full
-        min_beta = math.ceil(min_beta * 1e4) / 1e4
-        raise ValueError(
-            f"budget too small: {budget} bytes cannot hold {cache_cfg.sink} sink tokens, the recent region "
-            f"(ring of {ring} tokens for R={recent}) and one window of W={w}; the minimum budget for this "
-            f"model, batch and length is beta >= {min_beta:.4f} ({int(math.ceil(fixed + need))} bytes)"
+        raise BudgetTooSmallError(
+            budget_bytes=budget,
+            min_bytes=int(math.ceil(fixed + need)),
+            full_bytes=full,
+            holds=f"{cache_cfg.sink} sink tokens, the recent region (ring of {ring} tokens for R={recent}) "
+            f"and one window of W={w}",
         )
     q_bytes = int(q * hist)
     nf = (hist - q_bytes) // per_f
@@ -131,12 +144,27 @@ def keep_all_capacities(cache_cfg: CacheConfig, max_windows: int | None) -> Capa
     )
 
 
-def _fit_error(cache_cfg, budget: int, fixed: int, need: int, full: int, what: str) -> ValueError:
-    min_beta = math.ceil((fixed + need) / full * 1e4) / 1e4
-    return ValueError(
-        f"budget too small: {budget} bytes cannot hold {what}; the minimum budget for this model, batch and "
-        f"length is beta >= {min_beta:.4f} ({int(math.ceil(fixed + need))} bytes)"
-    )
+class BudgetTooSmallError(ValueError):
+    """The byte budget cannot hold a method's fixed part (sinks, the recent region) and one unit of history.
+
+    budget_bytes: the budget (batch included); min_bytes: the least budget that fits; full_bytes: the
+    uncompressed cache of the tokens the budget was computed for; holds: what the least budget holds.
+    """
+
+    def __init__(self, *, budget_bytes: int, min_bytes: int, full_bytes: int, holds: str):
+        self.budget_bytes = budget_bytes
+        self.min_bytes = min_bytes
+        self.full_bytes = full_bytes
+        self.holds = holds
+        super().__init__(
+            f"budget too small: {budget_bytes} bytes cannot hold {holds}; the minimum budget for this model, "
+            f"batch and length is beta >= {self.min_beta:.4f} ({min_bytes} bytes)"
+        )
+
+    @property
+    def min_beta(self) -> float:
+        """The least β that fits, rounded up to 4 decimals."""
+        return math.ceil(self.min_bytes / self.full_bytes * 1e4) / 1e4
 
 
 def solve_local_capacities(
@@ -158,7 +186,12 @@ def solve_local_capacities(
     fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
     per_w = _cache_bytes(caps(w), model_cfg, batch, dtype) - fixed
     if fixed + per_w > budget:
-        raise _fit_error(cache_cfg, budget, fixed, per_w, full, f"{cache_cfg.sink} sinks and one window")
+        raise BudgetTooSmallError(
+            budget_bytes=budget,
+            min_bytes=fixed + per_w,
+            full_bytes=full,
+            holds=f"{cache_cfg.sink} sinks and one window",
+        )
     r = (budget - fixed) // per_w * w
     while r > 0 and _cache_bytes(caps(r), model_cfg, batch, dtype) > budget:
         r -= w
@@ -208,13 +241,11 @@ def solve_pool_capacities(
     fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
     per = _cache_bytes(caps(1), model_cfg, batch, dtype) - fixed
     if fixed + per > budget:
-        raise _fit_error(
-            cache_cfg,
-            budget,
-            fixed,
-            per,
-            full,
-            f"{cache_cfg.sink} sinks, the ring of {ring} tokens (R={recent}) and one pool slot per head",
+        raise BudgetTooSmallError(
+            budget_bytes=budget,
+            min_bytes=fixed + per,
+            full_bytes=full,
+            holds=f"{cache_cfg.sink} sinks, the ring of {ring} tokens (R={recent}) and one pool slot per head",
         )
     pph = min((budget - fixed) // per, max(1, max_selectable))
     result = caps(pph)

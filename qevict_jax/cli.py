@@ -157,6 +157,7 @@ def cmd_generate(args) -> int:
         "text": out,
         "method": method.name,
         "budget": _budget(method),
+        "compressed": res.compressed,
         "memory_ratio": res.memory_ratio,
         "cache_bytes": res.cache_bytes,
         "full_kv_bytes": res.full_kv_bytes,
@@ -170,6 +171,13 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(record))
     else:
+        if method.uses_budget and not res.compressed:
+            print(
+                f"note: {method.name} kept every token: its smallest cache (sinks, recent region, one unit of "
+                f"history) is no smaller than the whole {len(ids)}-token prompt + {args.max_new_tokens} new "
+                "tokens uncompressed, so nothing was compressed",
+                file=sys.stderr,
+            )
         print(out)
         print(
             f"\n[{method.name}] prompt {len(ids)} tokens, {res.new_tokens} new; TTFT {res.ttft_s:.2f}s; "

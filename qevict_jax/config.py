@@ -104,8 +104,11 @@ class CacheConfig:
             raise ValueError(
                 f"recent={self.recent} must be a non-negative multiple of the window W={self.window}"
             )
-        if self.budget_bytes is None and not self.budget > 0:
-            raise ValueError(f"budget must be > 0, got {self.budget}")
+        if not 0.0 < self.budget <= 1.0:
+            raise ValueError(
+                f"budget β is a fraction of the uncompressed cache's bytes and must be in (0, 1], got "
+                f"{self.budget} (β = 1 keeps as many bytes as Full-KV; to size a cache in bytes set budget_bytes)"
+            )
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {self.budget_bytes}")
         if self.ranking not in RANKINGS:

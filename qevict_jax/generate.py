@@ -26,6 +26,7 @@ from qevict_jax.prefill import (
     Fanout,
     append_jit,
     check_prompts,
+    fit_method,
     pad_prompts,
     prefill_jit,
     split_questions,
@@ -63,6 +64,8 @@ def generate(
     mesh: run on this device mesh (``sharding.make_mesh``): batch over "data", KV heads, the tiers and the
     attention/MLP weights over "model" (``qevict_jax.sharding``); the batch must divide by the "data" axis.
     """
+    if past is not None and method is not None and method == past.requested_method:
+        method = past.method  # the method that built the cache (Full-KV where nothing was compressed)
     method = method or (past.method if past is not None else None) or FullKV()
     if past is None:
         return generate_shared(
@@ -78,9 +81,11 @@ def generate(
     start = np.asarray(past.next_positions, np.int32)
     need = int(max(start + np.array([len(t) for t in turns]))) + sampler.max_new_tokens
     cache = method.reserve(past.cache, need)
-    return _continue(
+    result = _continue(
         model, method, cache, None, start, turns, sampler, seed, prompts, past.kv_dtype, 0.0, mesh
     )
+    result.requested_method = past.requested_method or method
+    return result
 
 
 def generate_shared(
@@ -98,10 +103,17 @@ def generate_shared(
     result per method, as ``generate`` would return them.
 
     With several methods, each result's ``ttft_s`` includes the one shared prefill, not a per-method one.
+    A method that could save nothing on these prompts (``prefill.fit_method``: its sinks and recent region
+    already hold them) runs as Full-KV, and its result says ``compressed=False``.
     """
     check_prompts(prompts, model.cfg, sampler)
     check_batch(len(prompts), mesh)
     full_lengths = np.array([len(p) for p in prompts], np.int32)
+    fits = [
+        fit_method(m, model.cfg, full_lengths, sampler.max_new_tokens, budget_rounding, kv_dtype)
+        for m in methods
+    ]
+    requested, methods = methods, [f.method for f in fits]
     if question_starts is None:
         contexts, turns = [list(p) for p in prompts], None
     else:
@@ -153,6 +165,8 @@ def generate_shared(
                 mesh,
             )
             results[i].compile_s += compile_s
+            results[i].compressed = fits[i].compressed
+            results[i].requested_method = requested[i]
     return results  # type: ignore[return-value]
 
 
@@ -280,6 +294,8 @@ def _continue(
         next_positions=(positions + steps).tolist(),
         pending=out[:, steps].tolist(),
         kv_dtype=kv_dtype,
+        compressed=not isinstance(method, FullKV),
+        requested_method=method,
     )
 
 

@@ -17,8 +17,9 @@ from flax import nnx
 
 from models.attention import prompt_attention
 from models.model import Transformer
+from qevict_jax.budget import BudgetTooSmallError
 from qevict_jax.compiled import bucket_floor, bucket_length
-from qevict_jax.kv import KVMethod
+from qevict_jax.kv import FullKV, KVMethod, full_kv_bytes
 from qevict_jax.sampling import SamplerConfig, sample
 from qevict_jax.sharding import Mesh, constrain_cache
 
@@ -74,6 +75,57 @@ def tokens_for_budget(
     shortest = int(lengths.min())
     base = bucket_floor(shortest) if budget_rounding == "bucket" else shortest
     return base + max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """What runs for a batch of prompts: ``method`` (the one asked for, or Full-KV when compressing this
+    batch could save nothing) and whether the cache it builds is compressed."""
+
+    method: KVMethod
+    compressed: bool
+
+
+def fit_method(
+    method: KVMethod,
+    model_cfg,
+    lengths: np.ndarray,
+    max_new_tokens: int,
+    budget_rounding: str,
+    kv_dtype: Any,
+) -> Fit:
+    """The method to run for prompts of ``lengths`` [B] (right-padded to their bucket), before any compute.
+
+    A budgeted method keeps sinks and a recent region uncompressed and needs room for one unit of history
+    beside them. When that smallest cache is at least as large as the uncompressed cache of the longest row
+    (prompt + ``max_new_tokens``), compression has nothing to save: everything is kept, by Full-KV
+    (``compressed`` False). When the sequence is long enough to compress but the budget cannot hold that
+    smallest cache, a ValueError says so in terms of the prompt, the budget and what to change. Sizing is
+    checked on the abstract cache (``jax.eval_shape``), so any other sizing error surfaces here too.
+    """
+    lengths = np.asarray(lengths, np.int32)
+    budget_tokens = tokens_for_budget(method, lengths, max_new_tokens, budget_rounding)
+    capacity = bucket_length(int(lengths.max()))
+    try:
+        jax.eval_shape(
+            lambda: method.init_cache(
+                model_cfg, jnp.asarray(lengths), capacity, max_new_tokens, kv_dtype, budget_tokens
+            )
+        )
+    except BudgetTooSmallError as err:
+        whole = full_kv_bytes(model_cfg, int(lengths.max()) + max_new_tokens, kv_dtype, len(lengths))
+        if err.min_bytes >= whole:
+            return Fit(FullKV(), False)
+        shrink = (
+            " shrink the recent region (option recent, e.g. recent=32)," if "recent" in method.options else ""
+        )
+        raise ValueError(
+            f"{method.name} at β={method.budget:g} cannot compress prompts of {int(lengths.min())} tokens "
+            f"(+ {max_new_tokens} new): β={method.budget:g} of their uncompressed {err.full_bytes} bytes is "
+            f"{err.budget_bytes} bytes, and its smallest cache ({err.holds}) needs {err.min_bytes}; raise the "
+            f"budget to β >= {err.min_beta:.4f},{shrink} or use the method full"
+        ) from err
+    return Fit(method, not isinstance(method, FullKV))
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -32,6 +32,8 @@ class GenerationResult:
     next_positions: list[int] = dataclasses.field(default_factory=list)
     pending: list[int] = dataclasses.field(default_factory=list)
     kv_dtype: Any = DEFAULT_KV_DTYPE
+    compressed: bool = False  # the cache compresses (False: every token kept, e.g. a prompt too short to gain)
+    requested_method: Any = None  # the method asked for (``method`` is Full-KV when it had nothing to save)
 
     @property
     def new_tokens(self) -> int:

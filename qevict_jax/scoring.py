@@ -210,8 +210,8 @@ class DecayedRanking(Ranking):
     def prefill_window_scores(
         self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
     ):
-        weights = jnp.power(self.decay, jnp.arange(self.n_obs - 1, -1, -1, dtype=jnp.float32))
-        rows = self.rows(q, k, lengths, sliding_window)
+        rows = self.rows(q, k, lengths, sliding_window)  # [B, n, T], n = n_obs clipped to the prompt
+        weights = jnp.power(self.decay, jnp.arange(rows.shape[1] - 1, -1, -1, dtype=jnp.float32))
         return window_sums(jnp.einsum("bnt,n->bt", rows, weights), sink, window, num_windows)
 
 

@@ -171,6 +171,6 @@ def test_infeasible_budget_is_refused_before_any_sample(tmp_path, model):
         "ruler", "--lengths", "700", "--samples", "2", "--methods", "full,qevict", "--budgets", "0.01",
         "--out", str(out), "--no-progress",
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"qevict \(β=0.01\).*beta >= "):
+    with pytest.raises(ValueError, match=r"qevict \(β=0.01\).*β >= "):
         run_eval(a, model, TOK, (EOS,), log=lambda m: None)
     assert not (out / "results.jsonl").exists() or (out / "results.jsonl").read_text() == ""

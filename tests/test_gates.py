@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny import roomy_method
 
 from models.attention import chunked_attention, dense_attention
 from models.config import ModelConfig
@@ -267,7 +268,7 @@ def test_gate_methods_with_room_for_everything_equal_full_kv(tiny, trained):
     targets = np.asarray(ids[PROMPT : PROMPT + 6])[None]
     ref = teacher_forced(model, [prompt], targets).logprobs
     for name in GATE_METHODS:
-        got = teacher_forced(model, [prompt], targets, make_method(name, 3.0, gates=trained)).logprobs
+        got = teacher_forced(model, [prompt], targets, roomy_method(name, CFG, PROMPT + 6, gates=trained)).logprobs
         np.testing.assert_allclose(got, ref, atol=1e-4)
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import roomy_method
 
 from models.config import ModelConfig
 from models.model import Transformer
@@ -186,14 +187,13 @@ def test_question_agnostic_generation_with_room_for_everything_equals_full_kv(na
 
     from flax import nnx
 
-    from qevict_jax.methods import make_method
 
     cfg = replace(TINY, max_position_embeddings=2048)
     m = Transformer(cfg, rngs=nnx.Rngs(3))
     rs = np.random.RandomState(7)
     prompt = list(rs.randint(0, cfg.vocab_size, 300))
     sampler = SamplerConfig(max_new_tokens=6)
-    method = make_method(name, 4.0)
+    method = roomy_method(name, cfg, len(prompt) + 6)
     with pytest.raises(ValueError, match="outside"):
         generate(m, [prompt], sampler, method, question_starts=[300])
     res = generate(m, [prompt], sampler, method, question_starts=[280], kv_dtype=jnp.float32)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import roomy_method
 
 from qevict_jax import generate as gen
 from qevict_jax.cache import TieredCache
@@ -122,5 +123,5 @@ def test_every_method_with_room_for_everything_equals_full_kv(name):
     targets = rs.randint(0, cfg.vocab_size, (1, 6))
     ref = teacher_forced(model, [prompt], targets).logprobs
     kw = {"gates": UNTRAINED} if "gates" in default_method(name).options else {}
-    got = teacher_forced(model, [prompt], targets, make_method(name, 3.0, **kw)).logprobs
+    got = teacher_forced(model, [prompt], targets, roomy_method(name, cfg, len(prompt) + 6, **kw)).logprobs
     np.testing.assert_allclose(got, ref, atol=1e-4)

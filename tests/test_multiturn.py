@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny import roomy_method
 
 from models.config import ModelConfig
 from models.model import Transformer
@@ -45,7 +46,7 @@ def test_next_turn_on_a_compressed_cache_equals_the_concatenation(model, name):
     turn1 = list(rs.randint(0, TINY.vocab_size, 200))
     turn2 = list(rs.randint(0, TINY.vocab_size, 23))
     first_new = 5
-    method = make_method(name, 4.0)
+    method = roomy_method(name, TINY, 200 + first_new + 23 + 6)
     res1 = generate(model, [turn1], SamplerConfig(max_new_tokens=first_new), method, kv_dtype=F32)
     res2 = generate(model, [turn2], SamplerConfig(max_new_tokens=6), past=res1)
     assert res2.method is method and res1.next_positions == [200 + first_new - 1]

@@ -6,8 +6,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import jax.numpy as jnp
 
 from models.config import ModelConfig
+from qevict_jax.kv import full_kv_bytes
+from qevict_jax.methods import make_method
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,3 +38,11 @@ def load_bench(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def roomy_method(name: str, model_cfg: ModelConfig, tokens: int, **options: Any) -> Any:
+    """Method ``name`` with room for every token of a ``tokens``-token sequence: a byte budget of four times
+    its uncompressed float32 cache per row (β is a fraction in (0, 1], so room is given in bytes)."""
+    if name == "full":
+        return make_method(name, **options)
+    return make_method(name, budget_bytes=4 * full_kv_bytes(model_cfg, tokens, jnp.float32), **options)

@@ -16,17 +16,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from qevict_jax.compiled import EXECUTABLES, bucket_length
+from qevict_jax.compiled import EXECUTABLES
 from qevict_jax.eval.fidelity import fidelity_stats
 from qevict_jax.eval.sweep import FULL, Job
 from qevict_jax.generate import generate, generate_shared, teacher_forced
 from qevict_jax.kv import DEFAULT_KV_DTYPE, FullKV
 from qevict_jax.methods import available_methods, configure, make_method, method_option, options_for
-from qevict_jax.prefill import tokens_for_budget
+from qevict_jax.prefill import fit_method
 from qevict_jax.sampling import SamplerConfig
 
 
@@ -83,16 +81,8 @@ def check_feasible(
     for (name, budget), method in methods.items():
         for p in prompts:
             n = len(p.ids)
-            lengths = jnp.asarray([n], jnp.int32)
-            tokens = tokens_for_budget(method, lengths, p.max_new_tokens, "bucket")
-
-            def init(method=method, lengths=lengths, n=n, p=p, tokens=tokens):
-                return method.init_cache(
-                    model.cfg, lengths, bucket_length(n), p.max_new_tokens, kv_dtype, tokens
-                )
-
             try:
-                jax.eval_shape(init)
+                fit_method(method, model.cfg, np.asarray([n]), p.max_new_tokens, "bucket", kv_dtype)
             except ValueError as err:
                 problems.append(f"{name} (β={budget}) at a {n}-token prompt: {err}")
     if problems:
