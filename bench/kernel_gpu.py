@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import statistics
 import sys
 import time
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.fused_attention import dense_slot_attention, fused_attention  # noqa: E402
 from pallas_kernels.ledger_attention import ledger_attention  # noqa: E402
-from pallas_kernels.quant import QuantizedWindows  # noqa: E402
+from pallas_kernels.quant import QuantFormat, QuantizedWindows, quant_format  # noqa: E402
 from pallas_kernels.reference import (  # noqa: E402
     DenseTier,
     QuantTier,
@@ -57,6 +58,7 @@ class Setup:
     head_dim: int = 128
     window: int = 8
     bits: int = 2
+    quant: str = "channel"  # the ledger format (``pallas_kernels.quant.quant_format``)
     sink: int = 5
     recent: int = 128
     beta: float = 0.2
@@ -65,6 +67,18 @@ class Setup:
     @property
     def groups(self) -> int:
         return self.heads // self.kv_heads
+
+    @property
+    def format(self) -> QuantFormat:
+        return quant_format(self.quant, self.bits)
+
+    def ledger_head_bytes(self) -> int:
+        """Codes and grids of one ledger slot of one KV head."""
+        shapes = self.format.field_shapes(self.window, self.head_dim)
+        return sum(
+            math.prod(getattr(shapes, f.name)) * (1 if "codes" in f.name else 2)
+            for f in dataclasses.fields(shapes)
+        )
 
 
 SMALL = Setup(heads=8, kv_heads=2, head_dim=64)
@@ -81,7 +95,7 @@ def tier_sizes(ctx: int, s: Setup) -> tuple[int, int, int]:
     budget = s.beta * ctx * token_bytes
     nr = s.recent + s.window
     hist = budget - (s.sink + nr) * token_bytes - 4 * nr  # local ring (+ positions)
-    led_slot = s.kv_heads * (2 * s.window * s.head_dim * s.bits // 8 + 2 * 2 * s.head_dim + 2 * 2 * s.window)
+    led_slot = s.kv_heads * s.ledger_head_bytes()
     fp_slot = s.window * token_bytes
     nl = max(0, int(s.q_frac * hist // (led_slot + 4 + 1)))
     nf = max(0, int((1 - s.q_frac) * hist // (fp_slot + 1)))
@@ -95,20 +109,23 @@ def _uniform(key, shape, lo, hi, dtype):
 def ledger_inputs(key, b: int, nl: int, s: Setup, ctx: int, valid_frac: float = 1.0) -> dict:
     """Random ledger of ``nl`` slots at distinct window positions inside a context of ``ctx`` tokens."""
     ks_ = jax.random.split(key, 9)
-    hkv, d, w, per = s.kv_heads, s.head_dim, s.window, 8 // s.bits
-    levels = (1 << s.bits) - 1
+    hkv, d, w = s.kv_heads, s.head_dim, s.window
+    levels = 3
     n_windows = max(nl, (ctx - s.sink) // w)
     wins = jnp.sort(jax.random.permutation(ks_[0], n_windows)[:nl])
     valid = jax.random.uniform(ks_[1], (b, nl)) < valid_frac
+    shapes = s.format.field_shapes(w, d)
+    fields = {}
+    for i, f in enumerate(dataclasses.fields(shapes)):
+        shape = (b, hkv, nl, *getattr(shapes, f.name))
+        if "codes" in f.name:
+            fields[f.name] = jax.random.bits(ks_[2 + i], shape, jnp.uint8)
+        elif "scale" in f.name:
+            fields[f.name] = _uniform(ks_[2 + i], shape, 0.1 / levels, 1.5 / levels, jnp.float16)
+        else:
+            fields[f.name] = _uniform(ks_[2 + i], shape, -1.0, 0.0, jnp.float16)
     return dict(
-        codes=QuantizedWindows(
-            k_codes=jax.random.bits(ks_[2], (b, hkv, nl, d, w // per), jnp.uint8),
-            k_scale=_uniform(ks_[3], (b, hkv, nl, d), 0.1 / levels, 1.5 / levels, jnp.float16),
-            k_zero=_uniform(ks_[4], (b, hkv, nl, d), -1.0, 0.0, jnp.float16),
-            v_codes=jax.random.bits(ks_[5], (b, hkv, nl, w, d // per), jnp.uint8),
-            v_scale=_uniform(ks_[6], (b, hkv, nl, w), 0.1 / levels, 1.5 / levels, jnp.float16),
-            v_zero=_uniform(ks_[7], (b, hkv, nl, w), -1.0, 0.0, jnp.float16),
-        ),
+        codes=QuantizedWindows(**fields),
         slot_start=jnp.broadcast_to(s.sink + w * wins, (b, nl)).astype(jnp.int32),
         slot_valid=valid,
         inv_freq=(1.0 / 10000.0 ** (jnp.arange(0, d, 2) / d)).astype(jnp.float32),
@@ -173,13 +190,19 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
     key = jax.random.PRNGKey(int(time.time()))
     ctx = 2000 if small else 12_000
     tol = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
-    for i, (dtype, bits, valid_frac) in enumerate(
-        [(jnp.float32, 2, 0.7), (jnp.bfloat16, 2, 1.0), (jnp.float32, 4, 0.5)]
+    for i, (dtype, bits, quant, valid_frac) in enumerate(
+        [
+            (jnp.float32, 2, "channel", 0.7),
+            (jnp.bfloat16, 2, "channel", 1.0),
+            (jnp.float32, 4, "channel", 0.5),
+            (jnp.float32, 2, "rot-k4v3", 0.7),
+            (jnp.bfloat16, 2, "rot-k4v3", 1.0),
+        ]
     ):
-        setup = dataclasses.replace(s, bits=bits)
+        setup = dataclasses.replace(s, bits=bits, quant=quant)
         args = tier_inputs(jax.random.fold_in(key, i), 2, ctx, setup, dtype, valid_frac)
         args["slot_valid"] = args["slot_valid"].at[1].set(False)  # a row with every Q slot masked
-        opts = dict(window=setup.window, bits=bits)
+        opts = dict(window=setup.window, fmt=setup.format)
         with jax.default_matmul_precision("highest"):
             want_l = ledger_partial(**ledger_args(args), **opts)
             want_f = tier_attention_reference(**fused_args(args), **opts)
@@ -204,7 +227,7 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
         ok &= passed
         nl = args["codes"].k_codes.shape[2]
         print(
-            f"  {'PASS' if passed else 'FAIL'} dtype={jnp.dtype(dtype).name} INT{bits} NL={nl} "
+            f"  {'PASS' if passed else 'FAIL'} dtype={jnp.dtype(dtype).name} {setup.format.name} INT{bits} NL={nl} "
             f"NF={args['fp_k'].shape[2]} masked-row m ok={m_ok} worst={worst:.2e} (tol {tol[dtype]:g})"
         )
         if not passed:
@@ -250,7 +273,7 @@ def sweep_ledger(s: Setup, ctx: int, b: int, interpret: bool, iters: int) -> dic
     for block, warps, stages in [(2, 4, 2), (4, 4, 2), (4, 8, 2), (8, 8, 2), (4, 8, 3), (8, 8, 3)]:
         opts = dict(block_slots=block, num_warps=warps, num_stages=stages)
         fn = jax.jit(
-            functools.partial(ledger_attention, window=s.window, bits=s.bits, interpret=interpret, **opts)
+            functools.partial(ledger_attention, window=s.window, fmt=s.format, interpret=interpret, **opts)
         )
         try:
             sec = time_call(lambda a, f=fn: f(**a), args, iters=iters)
@@ -275,10 +298,10 @@ def bench_table(s: Setup, contexts, batches, interpret: bool, iters: int, ledger
     full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))
     fused_opts = dict(block_slots=ledger_opts.get("block_slots"), num_warps=ledger_opts.get("num_warps"))
     fused = jax.jit(
-        functools.partial(fused_attention, window=s.window, bits=s.bits, interpret=interpret, **fused_opts)
+        functools.partial(fused_attention, window=s.window, fmt=s.format, interpret=interpret, **fused_opts)
     )
     ledger = jax.jit(
-        functools.partial(ledger_attention, window=s.window, bits=s.bits, interpret=interpret, **ledger_opts)
+        functools.partial(ledger_attention, window=s.window, fmt=s.format, interpret=interpret, **ledger_opts)
     )
     for ctx in contexts:
         for b in batches:

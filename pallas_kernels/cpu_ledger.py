@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from pallas_kernels.reference import Partial, QuantTier
+from pallas_kernels.quant import ChannelKeys, QuantFormat, RotatedTokens
+from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotated_partial
 
 SOURCE = Path(__file__).parent / "cpu" / "ledger_attention.cc"
 TARGET = "qevict_ledger_attention"
+ROTATED_TARGET = "qevict_rotated_ledger_attention"
 # no -ffast-math: linking it sets flush-to-zero for the whole process
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 
@@ -81,6 +83,9 @@ def _load() -> str | None:
     except (RuntimeError, OSError) as e:
         return str(e)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.QevictLedgerAttention), platform="cpu")
+    jax.ffi.register_ffi_target(
+        ROTATED_TARGET, jax.ffi.pycapsule(lib.QevictRotatedLedgerAttention), platform="cpu"
+    )
     return None
 
 
@@ -94,34 +99,67 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+def _results(q: jax.Array, nl: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    b, hkv, g, d = q.shape
+    f32 = jnp.float32
+    return (
+        jax.ShapeDtypeStruct((b, hkv, g, d), f32),
+        jax.ShapeDtypeStruct((b, hkv, g), f32),
+        jax.ShapeDtypeStruct((b, hkv, g), f32),
+        jax.ShapeDtypeStruct((b, hkv, g, nl), f32),
+    )
+
+
+def _rotated_cpu(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens) -> Partial:
+    """``reference.RotatedAttention`` by the kernel's RotatedTokens handler."""
+    kc, ks, kz, vc, vs, vz = jax.tree.leaves(tier.codes)
+    call = jax.ffi.ffi_call(ROTATED_TARGET, _results(q_rot, kc.shape[2]), vmap_method="sequential")
+    f16 = jnp.float16
+    return Partial(
+        *call(
+            q_rot.astype(jnp.float32),
+            kc,
+            ks.astype(f16),
+            kz.astype(f16),
+            vc,
+            vs.astype(f16),
+            vz.astype(f16),
+            tier.slot_valid.astype(jnp.uint8),
+            k_bits=fmt.k_bits,
+            v_bits=fmt.v_bits,
+        )
+    )
+
+
 def ledger_attention_cpu(
     q: jax.Array,
     tier: QuantTier,
     inv_freq: jax.Array,
     *,
     window: int,
-    bits: int,
+    fmt: QuantFormat,
 ) -> Partial:
     """``reference.ledger_partial`` on the CPU from the codes (same arguments, same results).
 
-    The RoPE angles are formed as the reference forms them (float32 ``position * inv_freq`` of each slot
-    start and of each offset, combined by angle addition); the kernel evaluates their sines and cosines
-    itself, for the valid slots only, and reads the float16 grids as they are stored.
+    "channel": the RoPE angles are formed as the reference forms them (float32 ``position * inv_freq`` of
+    each slot start and of each offset, combined by angle addition); the kernel evaluates their sines and
+    cosines itself, for the valid slots only, and reads the float16 grids as they are stored.
+    ``RotatedTokens``: the query is rotated here, the kernel reads the rotated codes, the output is rotated
+    back here (``reference.rotated_partial``).
     """
     if not available():
         raise RuntimeError(f"the CPU ledger kernel is unavailable: {unavailable_reason()}")
-    b, hkv, g, d = q.shape
     codes, slot_start, slot_valid = tier
     kc, ks, kz, vc, vs, vz = jax.tree.leaves(codes)
     nl = kc.shape[2]
+    if nl == 0:
+        return empty_partial(q)
+    if isinstance(fmt, RotatedTokens):
+        return rotated_partial(q, tier, fmt, _rotated_cpu)
+    if not isinstance(fmt, ChannelKeys):
+        raise TypeError(f"unknown ledger format {fmt!r}")
     f32, f16 = jnp.float32, jnp.float16
-    result = (
-        jax.ShapeDtypeStruct((b, hkv, g, d), f32),
-        jax.ShapeDtypeStruct((b, hkv, g), f32),
-        jax.ShapeDtypeStruct((b, hkv, g), f32),
-        jax.ShapeDtypeStruct((b, hkv, g, nl), f32),
-    )
-    call = jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")
+    call = jax.ffi.ffi_call(TARGET, _results(q, nl), vmap_method="sequential")
     return Partial(
         *call(
             q.astype(f32),
@@ -135,6 +173,6 @@ def ledger_attention_cpu(
             slot_start.astype(jnp.int32),
             inv_freq.astype(f32),
             window=window,
-            bits=bits,
+            bits=fmt.bits,
         )
     )

@@ -13,6 +13,7 @@ import jax
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import cpu_ledger
+from pallas_kernels.quant import QuantFormat
 from pallas_kernels.reference import ledger_partial
 
 
@@ -50,8 +51,8 @@ def use_cpu_kernel() -> bool:
     return cpu_ledger.available()
 
 
-def ledger_attention(*args, window: int, bits: int):
+def ledger_attention(*args, window: int, fmt: QuantFormat):
     """``reference.ledger_partial`` by the fastest path here: the CPU kernel where ``use_cpu_kernel()``,
     else the jnp reference (which XLA fuses on any backend)."""
     fn = cpu_ledger.ledger_attention_cpu if use_cpu_kernel() else ledger_partial
-    return fn(*args, window=window, bits=bits)
+    return fn(*args, window=window, fmt=fmt)

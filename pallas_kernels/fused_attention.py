@@ -38,6 +38,7 @@ from pallas_kernels.ledger_attention import (
     split_call,
     write_running,
 )
+from pallas_kernels.quant import QuantFormat
 from pallas_kernels.reference import DenseTier, Partial, QuantTier, TierAttention, empty_partial, merge_tiers
 
 # ----------------------------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def _check_tiers(q, sink: DenseTier, fp: DenseTier, ledger: QuantTier, local: De
         if tier.valid.shape != (b, tier.k.shape[2]):
             raise ValueError(f"{name}: valid {tier.valid.shape} is not [B, N] = {(b, tier.k.shape[2])}")
     kc = ledger.codes.k_codes
-    if kc.shape[:2] != (b, hkv) or kc.shape[3] != d:
+    if kc.shape[:2] != (b, hkv):  # the rest is the ledger kernel's check (it knows the format)
         raise ValueError(f"ledger codes {kc.shape} do not match q {q.shape}")
     if not sink.k.shape[2] + fp.k.shape[2] + kc.shape[2] + local.k.shape[2]:
         raise ValueError("every tier is empty")
@@ -150,7 +151,7 @@ def _check_tiers(q, sink: DenseTier, fp: DenseTier, ledger: QuantTier, local: De
 
 @functools.partial(
     jax.jit,
-    static_argnames=("window", "bits", "interpret", "block_slots", "num_splits", "num_warps", "poison"),
+    static_argnames=("window", "fmt", "interpret", "block_slots", "num_splits", "num_warps", "poison"),
 )
 def fused_attention(
     q: jax.Array,
@@ -161,7 +162,7 @@ def fused_attention(
     inv_freq: jax.Array,
     *,
     window: int,
-    bits: int,
+    fmt: QuantFormat,
     interpret: bool | None = None,
     block_slots: int | None = None,
     num_splits: int | None = None,
@@ -185,7 +186,7 @@ def fused_attention(
     tiers = [
         dense_slot_attention(q, sink, **opts),
         dense_slot_attention(q, fp, **opts),
-        ledger_attention(q, ledger, inv_freq, window=window, bits=bits, **split, **opts),
+        ledger_attention(q, ledger, inv_freq, window=window, fmt=fmt, **split, **opts),
         dense_slot_attention(q, local, **opts),
     ]
     return merge_tiers(tiers)

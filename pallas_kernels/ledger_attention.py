@@ -38,6 +38,7 @@ offset and a tiny residual ``eps = (a - base) - off``. This needs ``D/2`` transc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -49,8 +50,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from models.attention import NEG_INF
 from pallas_kernels.dispatch import resolve_interpret, triton_params
-from pallas_kernels.quant import QuantizedWindows
-from pallas_kernels.reference import Partial, QuantTier, empty_partial
+from pallas_kernels.quant import ChannelKeys, QuantFormat, QuantizedWindows, RotatedTokens
+from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotated_partial
 
 TARGET_PROGRAMS = 512  # programs per launch the split heuristic aims at (a few waves on ~132 SMs)
 BLOCK_TOKENS = 32  # tokens per inner step by default (block slots = BLOCK_TOKENS // W)
@@ -347,18 +348,98 @@ def _ledger_kernel(
     write_running(state, out_ref, m_ref, l_ref)
 
 
-def _check_ledger_shapes(q, codes: QuantizedWindows, slot_start, slot_valid, inv_freq, window, bits) -> None:
-    kc, ks, kz, vc, vs, vz = jax.tree.leaves(codes)
+def _dequant_tokens(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -> jax.Array:
+    """Dequantize per-token groups of ``pack_tokens`` codes [BS, W, D*bits/8] (3 bits: the 2-bit plane of
+    D/4 bytes, then the 1-bit plane of D/8, loaded as two ref slices), scale and zero [BS, W] -> [BS, W, D]."""
+    if bits != 3:
+        return _dequant_rows(codes_ref, scale_ref, zero_ref, valid, bits)
+    bs, w, nb = codes_ref.shape
+    d = nb * 8 // 3
+    low_ref, high_ref = codes_ref.at[:, :, pl.ds(0, d // 4)], codes_ref.at[:, :, pl.ds(d // 4, d // 8)]
+    low = unpack_last(masked_load(low_ref, jnp.broadcast_to(valid[:, None, None], (bs, w, d // 4))), 2)
+    high = unpack_last(masked_load(high_ref, jnp.broadcast_to(valid[:, None, None], (bs, w, d // 8))), 1)
+    grid_mask = jnp.broadcast_to(valid[:, None], (bs, w))
+    scale = masked_load(scale_ref, grid_mask).astype(jnp.float32)
+    zero = masked_load(zero_ref, grid_mask).astype(jnp.float32)
+    codes = (low | jnp.left_shift(high, jnp.uint8(2))).astype(jnp.float32)
+    return codes * scale[:, :, None] + zero[:, :, None]
+
+
+def _rotated_kernel(
+    q_ref,  # [G, D] rotated query
+    kc_ref,  # [CH, W, D*k_bits/8]
+    ks_ref,  # [CH, W]
+    kz_ref,
+    vc_ref,  # [CH, W, D*v_bits/8]
+    vs_ref,  # [CH, W]
+    vz_ref,
+    valid_ref,  # [CH] int32
+    out_ref,  # [G, D]
+    m_ref,  # [G]
+    l_ref,  # [G]
+    mass_ref,  # [G, CH]
+    cm_ref,  # [G, C]
+    *,
+    window: int,
+    fmt: RotatedTokens,
+    plan: SplitPlan,
+):
+    groups, d = q_ref.shape
+    bs = plan.block
+    qs = [q_ref[g, :].astype(jnp.float32) * d**-0.5 for g in range(groups)]
+
+    def step(i, state: Running) -> Running:
+        rows = pl.ds(i * bs, bs)
+        valid = valid_ref[rows] != 0  # [BS]
+        k = _dequant_tokens(
+            kc_ref.at[rows], ks_ref.at[rows], kz_ref.at[rows], valid, fmt.k_bits
+        )  # [BS, W, D]
+        v = _dequant_tokens(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, fmt.v_bits)
+        logits = [jnp.sum(qs[g][None, None, :] * k, axis=-1) for g in range(groups)]  # [BS, W]
+        tok_valid = jnp.broadcast_to(valid[:, None], (bs, window))
+        return online_step(state, logits, tok_valid, v, i, bs, mass_ref, cm_ref)
+
+    state = jax.lax.fori_loop(0, plan.chunks, step, running_init(groups, d))
+    write_running(state, out_ref, m_ref, l_ref)
+
+
+def _rotated_call(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens, **opts) -> Partial:
+    """``reference.RotatedAttention`` by ``_rotated_kernel`` (split-K over the slots, as the channel kernel)."""
+    codes, _, slot_valid = tier
+    b, hkv, g, d = q_rot.shape
+    nl, w = codes.k_codes.shape[2], codes.k_codes.shape[3]
+    block_slots, num_splits = opts.pop("block_slots"), opts.pop("num_splits")
+    plan = plan_splits(nl, b * hkv, block_slots or default_block_slots(w), num_splits)
+    ch = plan.per_program
+    valid = pad_slots(slot_valid.astype(jnp.int32), plan.padded, 0)
+    kb, vb = d * fmt.k_bits // 8, d * fmt.v_bits // 8
+    in_specs = [
+        pl.BlockSpec((None, None, g, d), lambda i, j, k: (i, j, 0, 0)),
+        pl.BlockSpec((None, None, ch, w, kb), lambda i, j, k: (i, j, k, 0, 0)),
+        pl.BlockSpec((None, None, ch, w), lambda i, j, k: (i, j, k, 0)),
+        pl.BlockSpec((None, None, ch, w), lambda i, j, k: (i, j, k, 0)),
+        pl.BlockSpec((None, None, ch, w, vb), lambda i, j, k: (i, j, k, 0, 0)),
+        pl.BlockSpec((None, None, ch, w), lambda i, j, k: (i, j, k, 0)),
+        pl.BlockSpec((None, None, ch, w), lambda i, j, k: (i, j, k, 0)),
+        pl.BlockSpec((None, ch), lambda i, j, k: (i, k)),
+    ]
+    inputs = (q_rot, *jax.tree.leaves(codes), valid)
+    kernel = functools.partial(_rotated_kernel, window=w, fmt=fmt, plan=plan)
+    parts = split_call(kernel, inputs, in_specs, q_rot, plan, name="rotated_ledger_attention", **opts)
+    return combine_splits(*parts, nl)
+
+
+def _check_ledger_shapes(
+    q, codes: QuantizedWindows, slot_start, slot_valid, inv_freq, window, fmt: QuantFormat
+) -> None:
     b, hkv, _, d = q.shape
-    nl = kc.shape[2]
-    per = 8 // bits
+    nl = codes.k_codes.shape[2]
+    trailing = fmt.field_shapes(window, d)
     expect = {
-        "kc": (kc, (b, hkv, nl, d, window // per)),
-        "ks": (ks, (b, hkv, nl, d)),
-        "kz": (kz, (b, hkv, nl, d)),
-        "vc": (vc, (b, hkv, nl, window, d // per)),
-        "vs": (vs, (b, hkv, nl, window)),
-        "vz": (vz, (b, hkv, nl, window)),
+        f.name: (getattr(codes, f.name), (b, hkv, nl, *getattr(trailing, f.name)))
+        for f in dataclasses.fields(codes)
+    }
+    expect |= {
         "slot_start": (slot_start, (b, nl)),
         "slot_valid": (slot_valid, (b, nl)),
         "inv_freq": (inv_freq, (d // 2,)),
@@ -366,15 +447,17 @@ def _check_ledger_shapes(q, codes: QuantizedWindows, slot_start, slot_valid, inv
     for name, (x, shape) in expect.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
-    if bits not in (2, 4) or window % per or d % 2:
-        raise ValueError(f"unsupported bits={bits}, window={window}, head_dim={d}")
+    if isinstance(fmt, ChannelKeys) and (fmt.bits not in (2, 4) or window % (8 // fmt.bits) or d % 2):
+        raise ValueError(f"unsupported bits={fmt.bits}, window={window}, head_dim={d}")
+    if isinstance(fmt, RotatedTokens) and d % 8:
+        raise ValueError(f"the rotated ledger format needs head_dim % 8 == 0, got {d}")
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
         "window",
-        "bits",
+        "fmt",
         "interpret",
         "block_slots",
         "num_splits",
@@ -389,7 +472,7 @@ def ledger_attention(
     inv_freq: jax.Array,
     *,
     window: int,
-    bits: int,
+    fmt: QuantFormat,
     interpret: bool | None = None,
     block_slots: int | None = None,
     num_splits: int | None = None,
@@ -400,7 +483,9 @@ def ledger_attention(
     """Attention partial of one decode query per head over the packed ledger (Pallas kernel).
 
     Same arguments and results as ``pallas_kernels.reference.ledger_partial``: q [B, Hkv, G, D]; tier (codes
-    [B, Hkv, NL, ...], slot_start [B, NL] int32, slot_valid [B, NL] bool); inv_freq [D/2] f32. Returns a ``Partial`` (out [B, Hkv, G, D] unnormalized, m, l [B, Hkv, G], mass per slot
+    [B, Hkv, NL, ...] in format ``fmt``, slot_start [B, NL] int32, slot_valid [B, NL] bool); inv_freq [D/2]
+    f32. The "channel" format runs ``_ledger_kernel``; ``RotatedTokens`` runs ``_rotated_kernel`` on the
+    rotated query (``reference.rotated_partial``). Returns a ``Partial`` (out [B, Hkv, G, D] unnormalized, m, l [B, Hkv, G], mass per slot
     [B, Hkv, G, NL]), all f32.
 
     Options: ``interpret`` (default: not on a GPU), ``block_slots`` (slots per inner step, a power of two;
@@ -409,11 +494,22 @@ def ledger_attention(
     outputs, for checks).
     """
     codes, slot_start, slot_valid = tier
-    _check_ledger_shapes(q, codes, slot_start, slot_valid, inv_freq, window, bits)
+    _check_ledger_shapes(q, codes, slot_start, slot_valid, inv_freq, window, fmt)
     b, hkv, g, d = q.shape
     nl = codes.k_codes.shape[2]
     if nl == 0:
         return empty_partial(q)
+    if isinstance(fmt, RotatedTokens):
+        opts = dict(
+            block_slots=block_slots,
+            num_splits=num_splits,
+            interpret=resolve_interpret(interpret),
+            num_warps=num_warps,
+            num_stages=num_stages,
+            poison=poison,
+        )
+        return rotated_partial(q, tier, fmt, functools.partial(_rotated_call, **opts))
+    bits = fmt.bits
     plan = plan_splits(nl, b * hkv, block_slots or default_block_slots(window), num_splits)
     ch, per = plan.per_program, 8 // bits
     start = pad_slots(slot_start.astype(jnp.int32), plan.padded, 0)

@@ -1,4 +1,4 @@
-"""Asymmetric INT2 / INT4 quantization with bit packing (KIVI-style; DESIGN §4).
+"""Asymmetric low-bit quantization with bit packing, and the two formats of the ledger (the Q tier).
 
 A *group* is the set of elements that share one grid ``(scale, zero)``:
 
@@ -11,15 +11,34 @@ are computed against that f16 grid, hence ``|x - x_hat| <= scale_f16 / 2`` for e
 rounding). Dequantization is ``x_hat = code * scale + zero`` in float32.
 
 Packing: element ``i`` of a group goes to byte ``i // (8 // bits)`` at bit shift ``(i % (8 // bits)) * bits``.
+3-bit codes (per-token groups only, ``pack_tokens``) are two planes: the low 2 bits packed as 2-bit codes,
+then the high bit packed 8 per byte (element i at byte i // 8, shift i % 8), ``3 N / 8`` bytes per group.
+
+Ledger formats (``QuantFormat``; ``quant_format(name, bits)`` builds one from the ``CacheConfig.quant`` name):
+
+- ``ChannelKeys`` ("channel", KIVI's): pre-RoPE keys with one grid per channel over the window, values one
+  grid per token, both ``bits`` wide; attention re-rotates the keys at their positions;
+- ``RotatedTokens`` ("rot-k4v3" and the like): post-RoPE keys and values with every head's channels
+  rotated by one fixed orthogonal matrix ``R`` (a randomized Hadamard, QuaRot-style: it spreads outlier
+  channels over all channels, so one grid per token fits), one grid per token for both, ``k_bits`` /
+  ``v_bits`` wide. Attention reads them as they are: ``q R`` once per step against the rotated keys
+  (``(qR).(kR) = q.k``), and the value output ``(sum p vR) R^T`` rotated back once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from models.attention import rope_cos_sin, rotate_half
+
 SUPPORTED_BITS = (2, 4)
+TOKEN_BITS = (2, 3, 4)  # code widths of the per-token groups of ``RotatedTokens``
 
 
 def _per_byte(bits: int) -> int:
@@ -63,10 +82,17 @@ def _round_up_f16(x: jax.Array) -> jax.Array:
 
 
 def quantize_groups(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Quantize each group x [..., N] (last axis = one group) to ``bits`` bits.
+    """Quantize each group x [..., N] (last axis = one group) to ``bits`` bits (2 or 4).
 
     Returns (codes [..., N * bits / 8] uint8 packed, scale [...] float16, zero [...] float16).
     """
+    codes, scale, zero = grid_codes(x, bits)
+    return pack(codes, bits), scale, zero
+
+
+def grid_codes(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The f16 grid of each group x [..., N] and the codes on it: (codes [..., N] uint8 unpacked, scale [...]
+    f16, zero [...] f16), ``|x - (code * scale + zero)| <= scale / 2``."""
     levels = (1 << bits) - 1
     xf = x.astype(jnp.float32)
     lo = jnp.min(xf, axis=-1)
@@ -82,7 +108,7 @@ def quantize_groups(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.
     s32 = scale.astype(jnp.float32)[..., None]
     z32 = zero.astype(jnp.float32)[..., None]
     codes = jnp.clip(jnp.round((xf - z32) / s32), 0, levels).astype(jnp.uint8)
-    return pack(codes, bits), scale, zero
+    return codes, scale, zero
 
 
 def dequantize_groups(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
@@ -158,3 +184,152 @@ _TRAILING = QuantizedWindows(2, 1, 1, 2, 1, 1)  # axes after the window axis N, 
 def quantize_windows(k: jax.Array, v: jax.Array, bits: int) -> QuantizedWindows:
     """k (pre-RoPE), v [..., N, W, D] -> their ``QuantizedWindows``."""
     return QuantizedWindows(*quantize_keys(k, bits), *quantize_values(v, bits))
+
+
+# ---------------------------------------------------------------------------------------------- ledger formats
+
+
+def rope_windows(x: jax.Array, starts: jax.Array, inv_freq: jax.Array, sign: int) -> jax.Array:
+    """RoPE-rotate windows x [..., N, W, D] whose first tokens sit at ``starts`` [N] (or [..., N]), float32.
+
+    sign=+1 rotates (pre-RoPE -> post-RoPE), sign=-1 un-rotates.
+    """
+    pos = starts[..., None] + jnp.arange(x.shape[-2], dtype=jnp.int32)  # [..., N, W]
+    cos, sin = rope_cos_sin(sign * pos, inv_freq)  # [..., N, W, D/2]
+    return rotate_half(x, cos, sin)
+
+
+@functools.cache
+def channel_rotation(d: int) -> np.ndarray:
+    """The fixed orthogonal rotation ``R`` [D, D] float32 of ``RotatedTokens``: a Hadamard matrix with
+    randomized column signs, ``H diag(s) / sqrt(D)``, when D is a power of two; else the Q factor of a seeded
+    Gaussian matrix. The same for every layer, head and run (seed 0)."""
+    rng = np.random.default_rng(0)
+    if d & (d - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < d:
+            h = np.block([[h, h], [h, -h]])
+        r = h * rng.choice([-1.0, 1.0], d)[None, :] / np.sqrt(d)
+    else:
+        r, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    return r.astype(np.float32)
+
+
+def pack_tokens(codes: jax.Array, bits: int) -> jax.Array:
+    """Pack per-token codes [..., D] of ``bits`` in (2, 3, 4) into [..., D * bits / 8] uint8 (3 bits: a 2-bit
+    plane then a 1-bit plane, see the module docstring)."""
+    if bits != 3:
+        return pack(codes, bits)
+    c = codes.astype(jnp.uint8)
+    n = c.shape[-1]
+    if n % 8:
+        raise ValueError(f"group size {n} is not a multiple of 8 (needed to pack 3-bit codes)")
+    high = (c >> 2).reshape(*c.shape[:-1], n // 8, 8)
+    shifts = jnp.arange(8, dtype=jnp.uint8)
+    high = jnp.sum(jnp.left_shift(high, shifts), axis=-1, dtype=jnp.uint8)
+    return jnp.concatenate([pack(c & jnp.uint8(3), 2), high], axis=-1)
+
+
+def unpack_tokens(packed: jax.Array, bits: int) -> jax.Array:
+    """Inverse of ``pack_tokens``: [..., D * bits / 8] uint8 -> codes [..., D] uint8."""
+    if bits != 3:
+        return unpack(packed, bits)
+    n = packed.shape[-1] * 8 // 3
+    low = unpack(packed[..., : n // 4], 2)
+    shifts = jnp.arange(8, dtype=jnp.uint8)
+    high = (jnp.right_shift(packed[..., n // 4 :, None], shifts) & jnp.uint8(1)).reshape(low.shape)
+    return low | jnp.left_shift(high, jnp.uint8(2))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelKeys:
+    """The KIVI-style ledger format: pre-RoPE keys, one grid per channel over the window; values one grid per
+    token; ``bits`` (2 or 4) for both. Fields [..., N, ...]: k_codes [D, W*bits/8], k_scale / k_zero [D],
+    v_codes [W, D*bits/8], v_scale / v_zero [W]."""
+
+    bits: int = 2
+
+    @property
+    def name(self) -> str:
+        return "channel"
+
+    def field_shapes(self, window: int, d: int) -> QuantizedWindows:
+        """Trailing shape (after the window axis N) of every field."""
+        per = _per_byte(self.bits)
+        return QuantizedWindows((d, window // per), (d,), (d,), (window, d // per), (window,), (window,))
+
+    def encode(self, k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array) -> QuantizedWindows:
+        """Codes of windows k (post-RoPE), v [..., N, W, D] whose first tokens are at ``starts`` [N]."""
+        return quantize_windows(rope_windows(k, starts, inv_freq, -1), v, self.bits)
+
+    def decode(
+        self, codes: QuantizedWindows, starts: jax.Array, inv_freq: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(post-RoPE keys, values) [..., N, W, D] float32 of the codes."""
+        k, v = codes.dequantize(self.bits)
+        return rope_windows(k, starts, inv_freq, +1), v
+
+
+@dataclasses.dataclass(frozen=True)
+class RotatedTokens:
+    """The rotated per-token ledger format: post-RoPE keys and values times ``channel_rotation(D)``, one grid
+    per token for both, ``k_bits`` / ``v_bits`` in (2, 3, 4). Fields [..., N, ...]: k_codes [W, D*k_bits/8],
+    k_scale / k_zero [W], v_codes [W, D*v_bits/8], v_scale / v_zero [W]."""
+
+    k_bits: int = 4
+    v_bits: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"rot-k{self.k_bits}v{self.v_bits}"
+
+    def field_shapes(self, window: int, d: int) -> QuantizedWindows:
+        return QuantizedWindows(
+            (window, d * self.k_bits // 8),
+            (window,),
+            (window,),
+            (window, d * self.v_bits // 8),
+            (window,),
+            (window,),
+        )
+
+    def encode(self, k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array) -> QuantizedWindows:
+        """Codes of windows k (post-RoPE), v [..., N, W, D] (``starts`` unused: keys stay post-RoPE)."""
+        r = jnp.asarray(channel_rotation(k.shape[-1]))
+        kc, ks, kz = grid_codes(k.astype(jnp.float32) @ r, self.k_bits)
+        vc, vs, vz = grid_codes(v.astype(jnp.float32) @ r, self.v_bits)
+        return QuantizedWindows(pack_tokens(kc, self.k_bits), ks, kz, pack_tokens(vc, self.v_bits), vs, vz)
+
+    def rotated(self, codes: QuantizedWindows) -> tuple[jax.Array, jax.Array]:
+        """(keys, values) [..., N, W, D] float32 in the rotated basis, as attention reads them."""
+        deq = lambda c, s, z, b: (
+            unpack_tokens(c, b).astype(jnp.float32) * s.astype(jnp.float32)[..., None]
+            + z.astype(jnp.float32)[..., None]
+        )
+        return (
+            deq(codes.k_codes, codes.k_scale, codes.k_zero, self.k_bits),
+            deq(codes.v_codes, codes.v_scale, codes.v_zero, self.v_bits),
+        )
+
+    def decode(
+        self, codes: QuantizedWindows, starts: jax.Array, inv_freq: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(post-RoPE keys, values) [..., N, W, D] float32 of the codes (rotated back)."""
+        k, v = self.rotated(codes)
+        r = jnp.asarray(channel_rotation(k.shape[-1]))
+        return k @ r.T, v @ r.T
+
+
+QuantFormat = ChannelKeys | RotatedTokens
+QUANT_NAMES = ("channel", "rot-k4v4", "rot-k4v3", "rot-k4v2", "rot-k3v3", "rot-k2v2")
+
+
+def quant_format(name: str, bits: int = 2) -> QuantFormat:
+    """The ledger format named ``name`` ("channel" takes ``bits``; "rot-kXvY" its own widths)."""
+    if name == "channel":
+        _per_byte(bits)
+        return ChannelKeys(bits)
+    if name in QUANT_NAMES:
+        k_bits, v_bits = int(name[5]), int(name[7])
+        return RotatedTokens(k_bits, v_bits)
+    raise ValueError(f"unknown ledger format quant={name!r}; available: {', '.join(QUANT_NAMES)}")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import NEG_INF
-from pallas_kernels.quant import QuantizedWindows
+from pallas_kernels.quant import ChannelKeys, QuantFormat, QuantizedWindows, RotatedTokens, channel_rotation
 
 
 class Partial(NamedTuple):
@@ -45,9 +45,9 @@ class DenseTier(NamedTuple):
 
 
 class QuantTier(NamedTuple):
-    """The Q tier as one argument: codes, the ledger's ``QuantizedWindows`` [B, Hkv, NL, ...] (keys pre-RoPE);
-    slot_start [B, NL] int32 position of each slot's first token (keys are re-rotated there); slot_valid
-    [B, NL] bool, the slots that take part (active Q windows)."""
+    """The Q tier as one argument: codes, the ledger's ``QuantizedWindows`` [B, Hkv, NL, ...] in its format;
+    slot_start [B, NL] int32 position of each slot's first token (the "channel" format's pre-RoPE keys are
+    re-rotated there); slot_valid [B, NL] bool, the slots that take part (active Q windows)."""
 
     codes: QuantizedWindows
     slot_start: jax.Array
@@ -71,8 +71,12 @@ class TierAttention(NamedTuple):
 
 
 LedgerAttention = Callable[..., Partial]
-"""``(q, tier: QuantTier, inv_freq, *, window, bits) -> Partial`` (``ledger_partial``, the CPU kernel or the
+"""``(q, tier: QuantTier, inv_freq, *, window, fmt) -> Partial`` (``ledger_partial``, the CPU kernel or the
 Pallas kernel)."""
+
+RotatedAttention = Callable[[jax.Array, QuantTier, RotatedTokens], Partial]
+"""``(q_rot, tier, fmt) -> Partial`` in the rotated basis: the part of a ledger attention that reads a
+``RotatedTokens`` ledger (``rotated_partial`` turns it into a ``LedgerAttention``'s result)."""
 
 
 def empty_partial(q: jax.Array, n: int = 0) -> Partial:
@@ -137,31 +141,18 @@ def window_rope_tables(starts: jax.Array, window: int, inv_freq: jax.Array) -> t
     return cs * co - ss * so, ss * co + cs * so
 
 
-def ledger_partial(q: jax.Array, tier: QuantTier, inv_freq: jax.Array, *, window: int, bits: int) -> Partial:
-    """Attention partial of one decode query per head over the packed ledger (Q tier), GQA-grouped.
+def rotated_partial(q: jax.Array, tier: QuantTier, fmt: RotatedTokens, attend: RotatedAttention) -> Partial:
+    """Attention partial of q [B, Hkv, G, D] over a ``RotatedTokens`` ledger: ``attend`` reads the codes with
+    the query rotated once (``q R``); the value output is rotated back once (``out R^T``)."""
+    r = jnp.asarray(channel_rotation(q.shape[-1]))
+    part = attend(q.astype(jnp.float32) @ r, tier, fmt)
+    return part._replace(out=part.out @ r.T)
 
-    Args:
-      q: [B, Hkv, G, D] post-RoPE query (unscaled; the 1/sqrt(D) scale is applied here), any float dtype.
-      tier: codes (keys pre-RoPE, one grid per channel over the slot's window; values one grid per token
-        over head_dim), slot_start (token i of a slot is at slot_start + i; keys are dequantized and
-        re-rotated there) and slot_valid (invalid slots contribute nothing), see ``QuantTier``.
-      inv_freq: [D/2] float32 RoPE inverse frequencies.
-      window: W (static). bits: 2 or 4 (static). Packing as in ``pallas_kernels.quant``.
 
-    Returns a ``Partial`` over the valid slots' tokens, mass per slot [B, Hkv, G, NL] (0 for invalid slots).
-    """
-    codes, slot_start, slot_valid = tier
-    if codes.k_codes.shape[2] == 0:
-        return empty_partial(q)
-    d = q.shape[-1]
-    k, v = codes.dequantize(bits)  # [B, Hkv, NL, W, D]
-    cos, sin = window_rope_tables(slot_start, window, inv_freq)  # [B, NL, W, D/2]
-    half = d // 2
-    k1, k2 = k[..., :half], k[..., half:]
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, NL, W, D/2]
-    k_rot = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)  # [B, Hkv, NL, W, D]
-    qs = q.astype(jnp.float32) * d**-0.5
-    s = jnp.einsum("bkgd,bkntd->bkgnt", qs, k_rot)
+def _slots_partial(q: jax.Array, k: jax.Array, v: jax.Array, slot_valid: jax.Array) -> Partial:
+    """Partial of q [B, Hkv, G, D] (unscaled) over slots k, v [B, Hkv, NL, W, D] f32; mass per slot."""
+    qs = q.astype(jnp.float32) * q.shape[-1] ** -0.5
+    s = jnp.einsum("bkgd,bkntd->bkgnt", qs, k)
     mask = slot_valid[:, None, None, :, None]
     s = jnp.where(mask, s, NEG_INF)
     m = jnp.max(s, axis=(-1, -2))
@@ -169,6 +160,43 @@ def ledger_partial(q: jax.Array, tier: QuantTier, inv_freq: jax.Array, *, window
     slot_mass = p.sum(-1)
     out = jnp.einsum("bkgnt,bkntd->bkgd", p, v)
     return Partial(out, m, slot_mass.sum(-1), slot_mass)
+
+
+def rotated_reference(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens) -> Partial:
+    """``RotatedAttention`` in jnp: q_rot [B, Hkv, G, D] against the dequantized rotated keys and values."""
+    k, v = fmt.rotated(tier.codes)  # [B, Hkv, NL, W, D]
+    return _slots_partial(q_rot, k, v, tier.slot_valid)
+
+
+def ledger_partial(
+    q: jax.Array, tier: QuantTier, inv_freq: jax.Array, *, window: int, fmt: QuantFormat
+) -> Partial:
+    """Attention partial of one decode query per head over the packed ledger (Q tier), GQA-grouped.
+
+    Args:
+      q: [B, Hkv, G, D] post-RoPE query (unscaled; the 1/sqrt(D) scale is applied here), any float dtype.
+      tier: codes in format ``fmt``, slot_start (token i of a slot is at slot_start + i; "channel" keys are
+        dequantized and re-rotated there) and slot_valid (invalid slots contribute nothing), see ``QuantTier``.
+      inv_freq: [D/2] float32 RoPE inverse frequencies.
+      window: W (static). fmt: the ledger format (static, ``pallas_kernels.quant``).
+
+    Returns a ``Partial`` over the valid slots' tokens, mass per slot [B, Hkv, G, NL] (0 for invalid slots).
+    """
+    codes, slot_start, slot_valid = tier
+    if codes.k_codes.shape[2] == 0:
+        return empty_partial(q)
+    if isinstance(fmt, RotatedTokens):
+        return rotated_partial(q, tier, fmt, rotated_reference)
+    if not isinstance(fmt, ChannelKeys):
+        raise TypeError(f"unknown ledger format {fmt!r}")
+    d = q.shape[-1]
+    k, v = codes.dequantize(fmt.bits)  # [B, Hkv, NL, W, D]
+    cos, sin = window_rope_tables(slot_start, window, inv_freq)  # [B, NL, W, D/2]
+    half = d // 2
+    k1, k2 = k[..., :half], k[..., half:]
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, NL, W, D/2]
+    k_rot = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)  # [B, Hkv, NL, W, D]
+    return _slots_partial(q, k_rot, v, slot_valid)
 
 
 def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.Array]]:
@@ -207,7 +235,7 @@ def tier_attention_reference(
     inv_freq: jax.Array,
     *,
     window: int,
-    bits: int,
+    fmt: QuantFormat,
     ledger_attention: LedgerAttention = ledger_partial,
 ) -> TierAttention:
     """Decode attention of one query per head q [B, Hkv, G, D] (post-RoPE, unscaled) over ``sink | F | Q |
@@ -220,7 +248,7 @@ def tier_attention_reference(
     tiers = [
         slot_partial(q, sink),
         slot_partial(q, fp),
-        ledger_attention(q, ledger, inv_freq, window=window, bits=bits),
+        ledger_attention(q, ledger, inv_freq, window=window, fmt=fmt),
         slot_partial(q, local),
     ]
     return merge_tiers(tiers)

@@ -141,6 +141,7 @@ def keep_all_capacities(cache_cfg: CacheConfig, max_windows: int | None) -> Capa
         max_windows,
         cache_cfg.bits,
         cache_cfg.omega,
+        quant=cache_cfg.quant,
     )
 
 
@@ -181,7 +182,9 @@ def solve_local_capacities(
 
     def caps(r: int) -> Capacities:
         ring = ring_capacity(r, w, cache_cfg.omega)
-        return Capacities(cache_cfg.sink, w, r, ring, 0, 0, 0, 0, cache_cfg.bits, cache_cfg.omega)
+        return Capacities(
+            cache_cfg.sink, w, r, ring, 0, 0, 0, 0, cache_cfg.bits, cache_cfg.omega, quant=cache_cfg.quant
+        )
 
     fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
     per_w = _cache_bytes(caps(w), model_cfg, batch, dtype) - fixed

@@ -17,6 +17,7 @@ sequence length: at a fixed byte budget NF and NQ are the same for any length.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import jax
@@ -37,8 +38,7 @@ class Ledger:
     Q tier) or dormant (the codes of a window promoted to F, kept for its next demotion). Stacked caches
     carry a leading [L] axis on every array.
 
-    codes: ``QuantizedWindows`` [B, Hkv, NL, ...] (keys pre-RoPE, per-channel grid over the window; values
-    per-token grid over head_dim). win: [B, NL] int32 window id, -1 = free. active: [B, NL] bool.
+    codes: ``QuantizedWindows`` [B, Hkv, NL, ...] in the format ``caps.format`` (``pallas_kernels.quant``). win: [B, NL] int32 window id, -1 = free. active: [B, NL] bool.
     score: [B, NL] f32 ranking score (meaningful for active entries).
     """
 
@@ -121,7 +121,7 @@ def init_cache(
     has a leading [L] axis. lengths: [B] tokens seen."""
     L, hkv, d = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
     b, w, nf, nl = batch, caps.window, caps.nf, caps.nl
-    per = 8 // caps.bits
+    shapes = caps.format.field_shapes(w, d)  # trailing shape of every ledger field
 
     def z(shape, dt):
         return jnp.zeros((L, b, *shape), dt)
@@ -165,12 +165,13 @@ def init_cache(
         fp_score=z((nf,), jnp.float32),
         ledger=Ledger(
             codes=QuantizedWindows(
-                k_codes=z((hkv, nl, d, w // per), jnp.uint8),
-                k_scale=z((hkv, nl, d), jnp.float16),
-                k_zero=z((hkv, nl, d), jnp.float16),
-                v_codes=z((hkv, nl, w, d // per), jnp.uint8),
-                v_scale=z((hkv, nl, w), jnp.float16),
-                v_zero=z((hkv, nl, w), jnp.float16),
+                **{
+                    # packed codes are bytes, grids float16
+                    f.name: z(
+                        (hkv, nl, *getattr(shapes, f.name)), jnp.uint8 if "codes" in f.name else jnp.float16
+                    )
+                    for f in dataclasses.fields(shapes)
+                }
             ),
             win=jnp.full((L, b, nl), -1, jnp.int32),
             active=z((nl,), bool),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.quant import QuantFormat, quant_format
 from qevict_jax.scoring import RANKINGS
 
 LAYOUTS = ("tiered", "pool", "local", "keep_all")
@@ -23,7 +24,10 @@ class CacheConfig:
     omega: Ω, decode steps between routing events.
     q_frac: share of the historical bytes (budget minus sink, ring and fixed metadata) given to the Q tier
         (ledger, dormant entries included); the rest goes to F. 0 disables the Q tier.
-    bits: 2 or 4, code width of the Q tier.
+    bits: 2 or 4, code width of the Q tier in the "channel" format.
+    quant: the Q tier's format (``pallas_kernels.quant.quant_format``): "channel" (pre-RoPE keys with a grid
+        per channel over the window, values per token, ``bits`` wide: KIVI's) or "rot-kXvY" (post-RoPE keys
+        and values rotated by a fixed Hadamard matrix, a grid per token, X / Y bits).
     budget: β, the byte budget as a fraction of the uncompressed cache of ``budget_tokens`` tokens.
     budget_bytes: when set, the byte budget per batch row (all layers), overriding ``budget``.
     ranking: "cumulative" (attention mass summed per window, initialized from the observation window: the
@@ -57,6 +61,7 @@ class CacheConfig:
     omega: int = 8
     q_frac: float = 0.70
     bits: int = 2
+    quant: str = "channel"
     budget: float = 0.2
     budget_bytes: int | None = None
     ranking: str = "cumulative"
@@ -88,8 +93,9 @@ class CacheConfig:
             raise ValueError(f"omega must be >= 1, got {self.omega}")
         if not 0.0 <= self.q_frac <= 1.0:
             raise ValueError(f"q_frac must be in [0, 1], got {self.q_frac}")
+        fmt = quant_format(self.quant, self.bits)
         per_byte = 8 // self.bits
-        if self.q_frac > 0 and self.window % per_byte:
+        if self.q_frac > 0 and fmt.name == "channel" and self.window % per_byte:
             raise ValueError(
                 f"window W={self.window} must be a multiple of {per_byte} for INT{self.bits} codes "
                 f"(codes of one channel are packed {per_byte} per byte along the window); "
@@ -134,7 +140,8 @@ class Capacities:
     windows (an F window's first-demotion codes, kept while it is in F). nq: the most active Q windows;
     the Q tier holds ``min(nq, nl - dormant entries)`` at a routing event (``routing.plan_routing``).
     nw_max: number of window ids a sequence of the sized length can have (caps nf and nq).
-    bits: code width. omega: routing interval.
+    bits: code width of the "channel" format. omega: routing interval. quant: the Q tier's format name
+        (``format`` is the object).
     pool_per_head: token slots per KV head of the head pool (pool layout; 0 otherwise); the pool has
         ``Hkv * pool_per_head`` slots per layer and row.
     pool_scores: the pool keeps per-slot and per-ring-token scores (decode-time eviction).
@@ -159,6 +166,12 @@ class Capacities:
     decode_routing: bool = True
     layer_caps: tuple[int, ...] = ()
     pool: bool = False
+    quant: str = "channel"
+
+    @property
+    def format(self) -> QuantFormat:
+        """The Q tier's format (``pallas_kernels.quant``)."""
+        return quant_format(self.quant, self.bits)
 
     @property
     def ring_windows(self) -> int:

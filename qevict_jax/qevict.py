@@ -31,6 +31,7 @@ QEVICT_OPTIONS = (
     "omega",
     "q_frac",
     "bits",
+    "quant",
     "ranking",
     "n_obs",
     "pool",

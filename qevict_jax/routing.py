@@ -37,9 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models.attention import rope_cos_sin, rotate_half
-from pallas_kernels.quant import QuantizedWindows
-from pallas_kernels.quant import quantize_windows as quantize_pre_rope
+from pallas_kernels.quant import QuantFormat, QuantizedWindows
 from qevict_jax.kv import from_words, to_words
 from qevict_jax.scoring import spilled_key
 
@@ -208,31 +206,19 @@ def plan_routing(
     )
 
 
-def rotate_windows(x: jax.Array, starts: jax.Array, inv_freq: jax.Array, sign: int) -> jax.Array:
-    """RoPE-rotate windows x [Hkv, N, W, D] whose first tokens sit at ``starts`` [N], in float32.
-
-    sign=+1 rotates (pre-RoPE -> post-RoPE), sign=-1 un-rotates. Returns [Hkv, N, W, D] float32.
-    """
-    pos = starts[:, None] + jnp.arange(x.shape[2], dtype=jnp.int32)  # [N, W]
-    cos, sin = rope_cos_sin(sign * pos, inv_freq)  # [N, W, D/2], shared by the heads (no transpose of x)
-    return rotate_half(x, cos, sin)
-
-
 def quantize_windows(
-    k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array, bits: int
+    k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array, fmt: QuantFormat
 ) -> QuantizedWindows:
-    """Ledger codes of windows k, v [Hkv, N, W, D] (keys post-RoPE, first positions ``starts`` [N]): the keys
-    are un-rotated, then quantized per channel; the values per token. Returns ``QuantizedWindows`` [Hkv, N, ...].
-    """
-    return quantize_pre_rope(rotate_windows(k, starts, inv_freq, -1), v, bits)
+    """Ledger codes of windows k, v [Hkv, N, W, D] (keys post-RoPE, first positions ``starts`` [N]) in the
+    ledger format ``fmt``. Returns ``QuantizedWindows`` [Hkv, N, ...]."""
+    return fmt.encode(k, v, starts, inv_freq)
 
 
 def dequantize_windows(
-    codes: QuantizedWindows, starts: jax.Array, inv_freq: jax.Array, bits: int
+    codes: QuantizedWindows, starts: jax.Array, inv_freq: jax.Array, fmt: QuantFormat
 ) -> tuple[jax.Array, jax.Array]:
     """Inverse of ``quantize_windows``: (post-RoPE keys, values), each [Hkv, N, W, D] float32."""
-    k, v = codes.dequantize(bits)
-    return rotate_windows(k, starts, inv_freq, +1), v
+    return fmt.decode(codes, starts, inv_freq)
 
 
 def apply_plan(
@@ -277,7 +263,7 @@ def demote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq
     sel = _chunk(plan.f2q_target < nl, chunk, m)  # [m] F slots (NF = none)
     fsel = jnp.minimum(sel, nf - 1)
     k, v = from_words(row.fp_kw[:, fsel], dtype), from_words(row.fp_vw[:, fsel], dtype)
-    entries = quantize_windows(k, v, caps.sink + row.fp_win[fsel] * caps.window, inv_freq, caps.bits)
+    entries = quantize_windows(k, v, caps.sink + row.fp_win[fsel] * caps.window, inv_freq, caps.format)
     target = jnp.where(sel < nf, plan.f2q_target[fsel], nl)
     return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(target, entries)))
 
@@ -293,7 +279,7 @@ def promote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_fre
     dest = _chunk(src < nl, chunk, m)  # [m] F slots receiving a promoted window (NF = none)
     lsel = jnp.minimum(src[jnp.minimum(dest, nf - 1)], nl - 1)
     k, v = dequantize_windows(
-        row.ledger.codes.take(lsel), caps.sink + row.ledger.win[lsel] * caps.window, inv_freq, caps.bits
+        row.ledger.codes.take(lsel), caps.sink + row.ledger.win[lsel] * caps.window, inv_freq, caps.format
     )
     return row.replace(
         fp_kw=row.fp_kw.at[:, dest].set(to_words(k, dtype), mode="drop"),
@@ -314,7 +300,7 @@ def quantize_candidates(
     caps = row.caps
     if not row.ledger.win.shape[0]:
         return row
-    entries = quantize_windows(cand_k, cand_v, caps.sink + cand_win * caps.window, inv_freq, caps.bits)
+    entries = quantize_windows(cand_k, cand_v, caps.sink + cand_win * caps.window, inv_freq, caps.format)
     return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(plan.c2q_target, entries)))
 
 

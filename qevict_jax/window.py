@@ -152,9 +152,9 @@ def tier_attention(
         DenseTier(cache.local_k, cache.local_v, loc_ok),
     )
     if use_kernel and sliding_window is None:
-        return fused_attention(q, *tiers, inv_freq, window=w, bits=caps.bits)
+        return fused_attention(q, *tiers, inv_freq, window=w, fmt=caps.format)
     return tier_attention_reference(
-        q, *tiers, inv_freq, window=w, bits=caps.bits, ledger_attention=ledger_attention
+        q, *tiers, inv_freq, window=w, fmt=caps.format, ledger_attention=ledger_attention
     )
 
 

@@ -12,12 +12,12 @@ from test_quant import np_quantize
 from models.attention import chunked_attention
 from models.config import ModelConfig
 from models.model import LayerContext
+from pallas_kernels.quant import rope_windows
 from qevict_jax.attention_scores import restkv_scores
 from qevict_jax.budget import pyramid_layer_caps
 from qevict_jax.cache import ring_positions, ring_valid
 from qevict_jax.kv import full_kv_bytes
 from qevict_jax.methods import make_method
-from qevict_jax.routing import rotate_windows
 from qevict_jax.scoring import Ranking, make_ranking, window_sums
 from qevict_jax.window import prefill_layer
 
@@ -403,7 +403,7 @@ def test_kivi_quantization_matches_numpy(name, bits):
     assert sorted(win[win >= 0].tolist()) == list(range(n_routed))  # nothing evicted
     assert int(cache.evictions[0]) == 0
     k_pre = np.asarray(
-        rotate_windows(
+        rope_windows(
             jnp.asarray(k[0, : n_routed * 32]).reshape(n_routed, 32, HKV, D).transpose(2, 0, 1, 3),
             jnp.arange(n_routed) * 32,
             inv,

@@ -43,7 +43,7 @@ MODEL = ModelConfig(
 INV_FREQ = jnp.asarray(MODEL.inv_freq(), jnp.float32)
 
 
-def caps_for(nl: int) -> Capacities:
+def caps_for(nl: int, quant: str = "channel") -> Capacities:
     return Capacities(
         sink=2,
         window=W,
@@ -55,11 +55,12 @@ def caps_for(nl: int) -> Capacities:
         nw_max=10**6,
         bits=2,
         omega=8,
+        quant=quant,
     )
 
 
 @functools.cache
-def jitted_event(nl: int, promotion: bool):
+def jitted_event(nl: int, promotion: bool, quant: str):
     """One routing event of one row: (row, cand_win [K], cand_score [K], cand_k, cand_v) -> (row, plan,
     the row moved on the bounded path with bound 1, whether the plan fits that bound)."""
 
@@ -73,28 +74,33 @@ def jitted_event(nl: int, promotion: bool):
 
 
 @functools.cache
-def jitted_reference(nl: int):
+def jitted_reference(nl: int, quant: str):
     """Reference codes of one window and their dequantization: (k, v [Hkv, W, D], start) -> (codes, k, v)."""
-    bits = caps_for(nl).bits
+    fmt = caps_for(nl, quant).format
 
     def ref(k, v, start):
-        codes = quantize_windows(k[:, None], v[:, None], start[None], INV_FREQ, bits)
-        dk, dv = dequantize_windows(codes, start[None], INV_FREQ, bits)
+        codes = quantize_windows(k[:, None], v[:, None], start[None], INV_FREQ, fmt)
+        dk, dv = dequantize_windows(codes, start[None], INV_FREQ, fmt)
         return tuple(c[:, 0] for c in jax.tree.leaves(codes)), dk[:, 0], dv[:, 0]
 
     return jax.jit(ref)
 
 
 @pytest.mark.parametrize(
-    "reserve, dtype, promotion, events",
-    [(1, jnp.float32, True, 2500), (2, jnp.bfloat16, True, 1500), (1, jnp.float32, False, 400)],
+    "reserve, dtype, promotion, events, quant",
+    [
+        (1, jnp.float32, True, 2500, "channel"),
+        (2, jnp.bfloat16, True, 1500, "channel"),
+        (1, jnp.float32, False, 400, "channel"),
+        (1, jnp.bfloat16, True, 1000, "rot-k4v3"),
+    ],
 )
-def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events):
+def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events, quant):
     nl = NQ + reserve
-    caps = caps_for(nl)
+    caps = caps_for(nl, quant)
     hkv = MODEL.num_kv_heads
-    step = jitted_event(nl, promotion)
-    reference = jitted_reference(nl)
+    step = jitted_event(nl, promotion, quant)
+    reference = jitted_reference(nl, quant)
     row = jax.tree.map(lambda x: x[0, 0], init_cache(caps, MODEL, 1, dtype))
     rng = np.random.default_rng(1234 + reserve)
 

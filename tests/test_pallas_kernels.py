@@ -19,7 +19,7 @@ from models.attention import NEG_INF
 from pallas_kernels import cpu_ledger, dispatch
 from pallas_kernels.fused_attention import dense_slot_attention, fused_attention
 from pallas_kernels.ledger_attention import ledger_attention, plan_splits, rope_cos_sin, unpack_last
-from pallas_kernels.quant import QuantizedWindows, unpack
+from pallas_kernels.quant import ChannelKeys, QuantizedWindows, unpack
 from pallas_kernels.reference import (
     DenseTier,
     QuantTier,
@@ -233,13 +233,13 @@ def test_ledger_attention_matches_reference_and_float64(d, g, w, bits, nl, block
     got = ledger_attention(
         **_ledger(args),
         window=w,
-        bits=bits,
+        fmt=ChannelKeys(bits),
         interpret=True,
         block_slots=block,
         num_splits=splits,
         poison=True,
     )
-    want = ledger_partial(**_ledger(args), window=w, bits=bits)
+    want = ledger_partial(**_ledger(args), window=w, fmt=ChannelKeys(bits))
     _assert_partial(got, [np.asarray(x) for x in want], TOL[dtype], a["slot_valid"])
     k, v = _np_ledger_kv(a, w, bits)
     q64 = np.asarray(args["q"].astype(jnp.float32), np.float64)
@@ -261,8 +261,8 @@ def test_cpu_ledger_kernel_matches_reference_and_float64(d, g, w, bits, nl, dtyp
     a = _ledger_inputs(rng, 3, 2, g, d, nl, w, bits, np.float32, masked)
     args = _to_jnp(a)
     args["q"] = args["q"].astype(dtype)
-    got = jax.jit(functools.partial(cpu_ledger.ledger_attention_cpu, window=w, bits=bits))(**_ledger(args))
-    want = ledger_partial(**_ledger(args), window=w, bits=bits)
+    got = jax.jit(functools.partial(cpu_ledger.ledger_attention_cpu, window=w, fmt=ChannelKeys(bits)))(**_ledger(args))
+    want = ledger_partial(**_ledger(args), window=w, fmt=ChannelKeys(bits))
     _assert_partial(got, [np.asarray(x) for x in want], TOL[dtype], a["slot_valid"])
     k, v = _np_ledger_kv(a, w, bits)
     q64 = np.asarray(args["q"].astype(jnp.float32), np.float64)
@@ -289,7 +289,7 @@ def test_ledger_attention_never_reads_invalid_slots():
     for name in ("ks", "kz", "vs", "vz"):
         a[name] = np.where(bad[..., None], np.float16(np.nan), a[name])
     got = ledger_attention(
-        **_ledger(_to_jnp(a)), window=w, bits=bits, interpret=True, block_slots=2, num_splits=2
+        **_ledger(_to_jnp(a)), window=w, fmt=ChannelKeys(bits), interpret=True, block_slots=2, num_splits=2
     )
     k, v = _np_ledger_kv(a, w, bits)
     _assert_partial(got, _np_partial(a["q"], k, v, a["slot_valid"]), 1e-5, a["slot_valid"])
@@ -375,9 +375,9 @@ def _np_fused(args: dict, a: dict, w: int, bits: int):
 def test_fused_attention_matches_reference_and_float64(d, g, w, bits, nf, nl, nr, dtype):
     a, args = _fused_inputs(np.random.default_rng(d * g), 2, 2, g, d, w, bits, nf, nl, nr, dtype)
     got = fused_attention(
-        **_tiers(args), window=w, bits=bits, interpret=True, block_slots=4, num_splits=2, poison=True
+        **_tiers(args), window=w, fmt=ChannelKeys(bits), interpret=True, block_slots=4, num_splits=2, poison=True
     )
-    want = tier_attention_reference(**_tiers(args), window=w, bits=bits)
+    want = tier_attention_reference(**_tiers(args), window=w, fmt=ChannelKeys(bits))
     np_out, np_masses = _np_fused(args, a, w, bits)
     tol = TOL[dtype]
     names = ("sink_mass", "fp_mass", "q_mass", "local_mass")
@@ -406,6 +406,6 @@ def test_kernels_lower_to_triton_for_cuda():
     if jaxlib_version > (0, 10, 2):
         pytest.skip("this jaxlib compiles Triton during lowering, which needs a GPU")
     _, args = _fused_inputs(np.random.default_rng(0), 2, 2, 4, 128, 8, 2, 3, 37, 9, jnp.bfloat16)
-    fn = functools.partial(fused_attention, window=8, bits=2, interpret=False, poison=True)
+    fn = functools.partial(fused_attention, window=8, fmt=ChannelKeys(2), interpret=False, poison=True)
     text = jax.jit(fn).trace(**_abstract(_tiers(args))).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 4  # sink, F, Q, local

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_quant import np_pack, np_quantize
+from tiny import roomy_method
 
 from models.config import ModelConfig
 from models.model import LayerContext, Transformer
-from pallas_kernels.quant import QuantizedWindows
+from pallas_kernels.quant import ChannelKeys, QuantizedWindows
 from pallas_kernels.reference import QuantTier, ledger_partial
 from qevict_jax.cache import init_cache
 from qevict_jax.config import CacheConfig, Capacities, ring_capacity
@@ -84,7 +85,7 @@ def test_everything_in_f_matches_full_kv():
     lengths = jnp.asarray([48, 37], jnp.int32)
     tokens = jax.random.randint(jax.random.key(1), (2, p_cap + steps), 0, MODEL.vocab_size)
     ref, _ = run_model(model, FullKV(), tokens, lengths, p_cap, steps, 0)
-    method = make_method("qevict", budget=4.0, recent=8, omega=4)
+    method = roomy_method("qevict", MODEL, 37 + steps, recent=8, omega=4)
     out, cache = run_model(model, method, tokens, lengths, p_cap, steps, 37 + steps)
     stats = cache_stats(cache)
     assert stats["routing_events"] == [3, 3] and stats["evictions"] == [0, 0]
@@ -226,7 +227,7 @@ def test_ledger_reference_matches_float64():
         ),
         jnp.asarray(INV_FREQ, jnp.float32),
         window=w,
-        bits=bits,
+        fmt=ChannelKeys(bits),
     )
     assert np_pack(kcodes, bits).shape[-1] == w // per
     kpre = kcodes * ks.astype(np.float64)[..., None] + kz.astype(np.float64)[..., None]  # [B, Hkv, NL, D, W]

@@ -8,6 +8,12 @@
 //   sum_t p_t (c_t * s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t.
 // The slots are split into one contiguous range per thread of XLA's intra-op pool; every range produces a
 // flash-decoding partial (out, max, sum) that the calling thread merges.
+//
+// Two handlers, one per ledger format (pallas_kernels.quant): QevictLedgerAttention reads the "channel"
+// format (pre-RoPE keys with a grid per channel over the window, re-rotated here); QevictRotatedLedgerAttention
+// reads RotatedTokens (keys and values with a grid per token, in the rotated basis, no RoPE), with the
+// query already rotated by the caller; the key grid is folded into the logit:
+//   q . (c_t s_t + z_t) = s_t (q . c_t) + z_t sum(q).
 
 #include <algorithm>
 #include <atomic>
@@ -31,7 +37,8 @@ constexpr int kMaxWindow = 64;     // W
 constexpr int kMaxGroup = 16;      // query heads per KV head
 
 struct Shapes {
-  int64_t b, hkv, g, d, nl, w, bits, per, wb, db;
+  int64_t b, hkv, g, d, nl, w, bits, per, wb, db;  // bits: the key codes' width (both, "channel")
+  int64_t vbits = 0;                               // value codes' width (0: bits)
 };
 
 struct Inputs {
@@ -135,6 +142,19 @@ inline void expand(const uint8_t* bytes, int64_t n, int64_t bits, float* out) {
   }
 }
 
+// Expand the codes of one token's D channels (per-token groups, pallas_kernels.quant.pack_tokens): 2 or 4
+// bits interleaved, 3 bits as a 2-bit plane of D/4 bytes then a 1-bit plane of D/8 bytes.
+inline void expand_token(const uint8_t* bytes, int64_t d, int64_t bits, float* out) {
+  if (bits != 3) {
+    expand(bytes, d * bits / 8, bits, out);
+    return;
+  }
+  expand(bytes, d / 4, 2, out);
+  const uint8_t* high = bytes + d / 4;
+  for (int64_t j = 0; j < d / 8; ++j)
+    for (int k = 0; k < 8; ++k) out[8 * j + k] += static_cast<float>(((high[j] >> k) & 1) << 2);
+}
+
 typedef float V8 __attribute__((vector_size(32)));  // eight floats (GCC/Clang vector extension)
 
 // Sum of x[0..n): pairwise for a power-of-two n (vectorizes), else in order. Clobbers x.
@@ -148,6 +168,10 @@ inline float sum_inplace(float* x, int64_t n) {
     for (int64_t i = 0; i < half; ++i) x[i] += x[i + half];
   return x[0];
 }
+
+template <int kW, int kD>
+void values_pass(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int64_t n1, float* out_part,
+                 float* m_part, float* l_part, float* slot_mass, const float* scores);
 
 // One thread's share: slots [n0, n1) of row b, every KV head and query head. Writes the partial
 // (out [Hkv, G, D] unnormalized, m [Hkv, G], l [Hkv, G]) and slot_mass relative to its own max.
@@ -167,13 +191,11 @@ void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int
   alignas(64) float sin_oT[kMaxDim / 2 * kMaxWindow];
   alignas(64) float kbuf[kMaxDim * kMaxWindow];  // [D, W] keys of one slot: codes, then re-rotated keys
   alignas(64) float krot[kMaxDim * kMaxWindow];  // [D, W]
-  alignas(64) float vbuf[kMaxWindow * kMaxDim];  // [W, D] value codes of one slot
   alignas(64) float acc[kMaxWindow];
-  alignas(64) float wts[kMaxGroup * kMaxWindow];
   std::vector<float> qs(HKV * G * D);  // scaled queries [Hkv, G, D]
   alignas(64) float ang_c[kMaxDim / 2];  // cos, sin of one slot's start angles [H]
   alignas(64) float ang_s[kMaxDim / 2];
-  alignas(64) float kscale[kMaxDim], kzero[kMaxDim], vscale[kMaxWindow], vzero[kMaxWindow];
+  alignas(64) float kscale[kMaxDim], kzero[kMaxDim];
   // the angles as the jnp reference forms them: float32 position * inv_freq, then angle addition
   for (int64_t t = 0; t < W; ++t)
     for (int64_t i = 0; i < H; ++i) {
@@ -253,7 +275,25 @@ void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int
     for (int64_t t = 0; t < W; ++t) mx = std::max(mx, mlane[hg * W + t]);
     m_part[hg] = mx;
   }
-  // pass 2: probabilities, per-slot mass and values from their codes
+  values_pass<kW, kD>(sh, in, b, n0, n1, out_part, m_part, l_part, slot_mass, scores);
+}
+
+// Pass 2 of both formats (values have one grid per token in both): probabilities from the logits in
+// ``scores`` [Hkv, G, span, W] and the maxima m_part, the per-slot masses, and the values applied from their
+// codes with the per-token scale folded into the probabilities.
+template <int kW, int kD>
+void values_pass(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int64_t n1, float* out_part,
+                 float* m_part, float* l_part, float* slot_mass, const float* scores) {
+  const int64_t G = sh.g, HKV = sh.hkv, NL = sh.nl;
+  const int64_t W = kW ? kW : sh.w;
+  const int64_t D = kD ? kD : sh.d;
+  const int64_t span = n1 - n0;
+  const int64_t vbits = sh.vbits ? sh.vbits : sh.bits;
+  const int64_t vtoken = D * vbits / 8;  // bytes of one token's value codes
+  const uint8_t* valid = in.valid + b * NL;
+  alignas(64) float vbuf[kMaxWindow * kMaxDim];  // [W, D] value codes of one slot
+  alignas(64) float wts[kMaxGroup * kMaxWindow];
+  alignas(64) float vscale[kMaxWindow], vzero[kMaxWindow];
   for (int64_t h = 0; h < HKV; ++h) {
     const int64_t bh = b * HKV + h;
     float* m = m_part + h * G;
@@ -290,7 +330,7 @@ void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int
         }
         mass[g * NL] = sum_inplace(tmp, W);
       }
-      expand(in.vc + slot * W * sh.db, W * sh.db, sh.bits, vbuf);
+      for (int64_t t = 0; t < W; ++t) expand_token(in.vc + (slot * W + t) * vtoken, D, vbits, vbuf + t * D);
       for (int64_t g = 0; g < G; ++g) {
         float* o = out + g * D;
         for (int64_t t = 0; t < W; ++t) {
@@ -308,6 +348,59 @@ void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int
   }
 }
 
+// attend_range for the RotatedTokens format: slots [n0, n1) of row b; q (already rotated by the caller)
+// against keys with one grid per token, no RoPE.
+template <int kW, int kD>
+void attend_range_rotated(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int64_t n1,
+                          float* out_part, float* m_part, float* l_part, float* slot_mass, float* scores) {
+  const int64_t G = sh.g, HKV = sh.hkv, NL = sh.nl;
+  const int64_t W = kW ? kW : sh.w;
+  const int64_t D = kD ? kD : sh.d;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t ktoken = D * sh.bits / 8;  // bytes of one token's key codes
+  alignas(64) float kbuf[kMaxWindow * kMaxDim];  // [W, D] key codes of one slot and head
+  alignas(64) float kscale[kMaxWindow], kzero[kMaxWindow];
+  std::vector<float> qs(HKV * G * D), qsum(HKV * G, 0.0f);  // scaled queries [Hkv, G, D] and their sums
+  for (int64_t x = 0; x < HKV * G * D; ++x) {
+    qs[x] = in.q[b * HKV * G * D + x] * scale;
+    qsum[x / D] += qs[x];
+  }
+  const uint8_t* valid = in.valid + b * NL;
+  const int64_t span = n1 - n0;
+  std::vector<float> mlane(HKV * G * W, kNegInf);
+  for (int64_t n = n0; n < n1; ++n) {
+    if (!valid[n]) continue;
+    for (int64_t h = 0; h < HKV; ++h) {
+      const int64_t slot = (b * HKV + h) * NL + n;
+      for (int64_t t = 0; t < W; ++t) {
+        expand_token(in.kc + (slot * W + t) * ktoken, D, sh.bits, kbuf + t * D);
+        kscale[t] = half_to_float(in.ks[slot * W + t]);
+        kzero[t] = half_to_float(in.kz[slot * W + t]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qs.data() + (h * G + g) * D;
+        const float qz = qsum[h * G + g];
+        float* sc = scores + ((h * G + g) * span + (n - n0)) * W;  // [Hkv, G, span, W]
+        float* ml = mlane.data() + (h * G + g) * W;
+        for (int64_t t = 0; t < W; ++t) {
+          const float* kt = kbuf + t * D;
+          float dot = 0.0f;
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
+          const float x = kscale[t] * dot + kzero[t] * qz;
+          sc[t] = x;
+          ml[t] = x > ml[t] ? x : ml[t];
+        }
+      }
+    }
+  }
+  for (int64_t hg = 0; hg < HKV * G; ++hg) {
+    float mx = kNegInf;
+    for (int64_t t = 0; t < W; ++t) mx = std::max(mx, mlane[hg * W + t]);
+    m_part[hg] = mx;
+  }
+  values_pass<kW, kD>(sh, in, b, n0, n1, out_part, m_part, l_part, slot_mass, scores);
+}
+
 using RangeFn = void (*)(const Shapes&, const Inputs&, int64_t, int64_t, int64_t, float*, float*, float*,
                          float*, float*);
 
@@ -318,6 +411,14 @@ RangeFn range_fn(int64_t w, int64_t d) {
   if (w == 32 && d == 64) return attend_range<32, 64>;
   if (w == 32 && d == 128) return attend_range<32, 128>;
   return attend_range<0, 0>;
+}
+
+RangeFn rotated_range_fn(int64_t w, int64_t d) {
+  if (w == 8 && d == 64) return attend_range_rotated<8, 64>;
+  if (w == 8 && d == 128) return attend_range_rotated<8, 128>;
+  if (w == 32 && d == 64) return attend_range_rotated<32, 64>;
+  if (w == 32 && d == 128) return attend_range_rotated<32, 128>;
+  return attend_range_rotated<0, 0>;
 }
 
 // Run fn(0..n-1) on the intra-op pool and wait for all of them. The caller claims tasks from the same
@@ -350,24 +451,10 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F fn) {
   st->cv.wait(lock, [&] { return st->done.load() == n; });
 }
 
-ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc,
-                           ffi::Buffer<ffi::F16> ks, ffi::Buffer<ffi::F16> kz, ffi::Buffer<ffi::U8> vc,
-                           ffi::Buffer<ffi::F16> vs, ffi::Buffer<ffi::F16> vz, ffi::Buffer<ffi::U8> valid,
-                           ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> inv_freq, int64_t window,
-                           int64_t bits, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
-                           ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> mass_out) {
-  auto qd = q.dimensions();
-  auto kd = kc.dimensions();
-  if (qd.size() != 4 || kd.size() != 5) return ffi::Error::InvalidArgument("ledger_attention: bad ranks");
-  if (bits != 2 && bits != 4) return ffi::Error::InvalidArgument("ledger_attention: bits must be 2 or 4");
-  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[2], window, bits, 8 / bits, kd[4], 0};
-  sh.db = sh.d / sh.per;
-  if (sh.d > kMaxDim || sh.d % 2 || sh.w > kMaxWindow || sh.g > kMaxGroup || sh.wb * sh.per != sh.w ||
-      kd[3] != sh.d)
-    return ffi::Error::InvalidArgument("ledger_attention: unsupported shapes");
-  Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(),    kz.typed_data(),
-            vc.typed_data(), vs.typed_data(), vz.typed_data(),    valid.typed_data(),
-            start.typed_data(), inv_freq.typed_data()};
+// Every (row, slot range) by ``attend`` on the pool, then the merge of the ranges' partials.
+void run_ranges(ffi::ThreadPool& pool, const Shapes& sh, const Inputs& in, RangeFn attend,
+                ffi::ResultBuffer<ffi::F32>& out, ffi::ResultBuffer<ffi::F32>& m_out,
+                ffi::ResultBuffer<ffi::F32>& l_out, ffi::ResultBuffer<ffi::F32>& mass_out) {
   const int64_t B = sh.b, HG = sh.hkv * sh.g, D = sh.d, NL = sh.nl;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 8));
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, NL));
@@ -375,7 +462,6 @@ ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   std::vector<float> out_p(B * parts * HG * D), m_p(B * parts * HG), l_p(B * parts * HG);
   std::vector<float> scores(B * parts * HG * chunk * sh.w);
   float* mass = mass_out->typed_data();
-  const RangeFn attend = range_fn(sh.w, sh.d);
   parallel_for(pool, B * parts, [&](int64_t task) {
     const int64_t b = task / parts, part = task % parts;
     const int64_t n0 = std::min(NL, part * chunk), n1 = std::min(NL, n0 + chunk);
@@ -406,6 +492,50 @@ ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       mo[b * HG + hg] = big;
       lo[b * HG + hg] = total;
     }
+}
+
+ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc,
+                           ffi::Buffer<ffi::F16> ks, ffi::Buffer<ffi::F16> kz, ffi::Buffer<ffi::U8> vc,
+                           ffi::Buffer<ffi::F16> vs, ffi::Buffer<ffi::F16> vz, ffi::Buffer<ffi::U8> valid,
+                           ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> inv_freq, int64_t window,
+                           int64_t bits, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
+                           ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> mass_out) {
+  auto qd = q.dimensions();
+  auto kd = kc.dimensions();
+  if (qd.size() != 4 || kd.size() != 5) return ffi::Error::InvalidArgument("ledger_attention: bad ranks");
+  if (bits != 2 && bits != 4) return ffi::Error::InvalidArgument("ledger_attention: bits must be 2 or 4");
+  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[2], window, bits, 8 / bits, kd[4], 0};
+  sh.db = sh.d / sh.per;
+  if (sh.d > kMaxDim || sh.d % 2 || sh.w > kMaxWindow || sh.g > kMaxGroup || sh.wb * sh.per != sh.w ||
+      kd[3] != sh.d)
+    return ffi::Error::InvalidArgument("ledger_attention: unsupported shapes");
+  Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(),    kz.typed_data(),
+            vc.typed_data(), vs.typed_data(), vz.typed_data(),    valid.typed_data(),
+            start.typed_data(), inv_freq.typed_data()};
+  run_ranges(pool, sh, in, range_fn(sh.w, sh.d), out, m_out, l_out, mass_out);
+  return ffi::Error::Success();
+}
+
+ffi::Error RotatedLedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc,
+                                  ffi::Buffer<ffi::F16> ks, ffi::Buffer<ffi::F16> kz, ffi::Buffer<ffi::U8> vc,
+                                  ffi::Buffer<ffi::F16> vs, ffi::Buffer<ffi::F16> vz,
+                                  ffi::Buffer<ffi::U8> valid, int64_t k_bits, int64_t v_bits,
+                                  ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
+                                  ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> mass_out) {
+  auto qd = q.dimensions();
+  auto kd = kc.dimensions();
+  auto vd = vc.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5)
+    return ffi::Error::InvalidArgument("rotated_ledger_attention: bad ranks");
+  if (k_bits < 2 || k_bits > 4 || v_bits < 2 || v_bits > 4)
+    return ffi::Error::InvalidArgument("rotated_ledger_attention: bits must be 2, 3 or 4");
+  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[2], kd[3], k_bits, 0, 0, 0, v_bits};
+  if (sh.d > kMaxDim || sh.d % 8 || sh.w > kMaxWindow || sh.g > kMaxGroup || kd[4] * 8 != sh.d * k_bits ||
+      vd[4] * 8 != sh.d * v_bits || vd[3] != sh.w)
+    return ffi::Error::InvalidArgument("rotated_ledger_attention: unsupported shapes");
+  Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(), kz.typed_data(), vc.typed_data(),
+            vs.typed_data(), vz.typed_data(), valid.typed_data(), nullptr, nullptr};
+  run_ranges(pool, sh, in, rotated_range_fn(sh.w, sh.d), out, m_out, l_out, mass_out);
   return ffi::Error::Success();
 }
 
@@ -426,6 +556,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictLedgerAttention, LedgerAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("bits")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // l
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // slot_mass
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictRotatedLedgerAttention, RotatedLedgerAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q, rotated
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // kc [B, Hkv, NL, W, D*k_bits/8]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // ks [B, Hkv, NL, W]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // kz
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // vc [B, Hkv, NL, W, D*v_bits/8]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // vs [B, Hkv, NL, W]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // vz
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // valid [B, NL]
+                                  .Attr<int64_t>("k_bits")
+                                  .Attr<int64_t>("v_bits")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l

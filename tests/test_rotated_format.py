@@ -1,0 +1,167 @@
+"""The rotated per-token ledger format (``pallas_kernels.quant.RotatedTokens``): an orthogonal rotation, exact
+packing, grids that bound the error, attention over its codes (jnp reference, CPU kernel, Pallas kernel in
+interpret mode) equal to float64 attention over the dequantized, un-rotated K/V, its bytes, and a method
+that uses it reproducing Full-KV when everything fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny import roomy_method, tiny_llama
+
+from models.model import Transformer
+from pallas_kernels import cpu_ledger
+from pallas_kernels.ledger_attention import ledger_attention
+from pallas_kernels.quant import (
+    ChannelKeys,
+    RotatedTokens,
+    channel_rotation,
+    pack_tokens,
+    quant_format,
+    unpack_tokens,
+)
+from pallas_kernels.reference import QuantTier, ledger_partial
+from qevict_jax.cache import abstract_cache
+from qevict_jax.config import CacheConfig, Capacities, ring_capacity
+from qevict_jax.generate import generate
+from qevict_jax.kv import FullKV
+from qevict_jax.sampling import SamplerConfig
+
+FORMATS = [RotatedTokens(4, 3), RotatedTokens(4, 4), RotatedTokens(4, 2), RotatedTokens(2, 2)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 48])
+def test_the_rotation_is_orthogonal(d):
+    r = channel_rotation(d).astype(np.float64)
+    chex.assert_shape(r, (d, d))
+    np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-6)
+    if d & (d - 1) == 0:  # a signed Hadamard matrix: every entry +-1/sqrt(d)
+        np.testing.assert_allclose(np.abs(r), 1 / np.sqrt(d))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    bits=st.sampled_from([2, 3, 4]),
+    rows=st.integers(1, 5),
+    d=st.sampled_from([8, 16, 64]),
+    seed=st.integers(0, 99),
+)
+def test_token_codes_pack_and_unpack_exactly(bits, rows, d, seed):
+    codes = np.random.default_rng(seed).integers(0, 1 << bits, (rows, d)).astype(np.uint8)
+    packed = pack_tokens(jnp.asarray(codes), bits)
+    chex.assert_shape(packed, (rows, d * bits // 8))
+    np.testing.assert_array_equal(np.asarray(unpack_tokens(packed, bits)), codes)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_each_token_is_within_half_a_step_of_its_grid(fmt):
+    """In the rotated basis every element is within scale / 2 of its dequantized value (f16 grids rounded
+    outward), and decoding rotates back: decode(encode(x)) = rotated(codes) R^T."""
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((2, 5, 8, 64)) * 3, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 5, 8, 64)), jnp.float32)
+    codes = fmt.encode(k, v, jnp.zeros(5, jnp.int32), jnp.ones(32))
+    r = channel_rotation(64).astype(np.float64)
+    kr, vr = (np.asarray(x, np.float64) for x in fmt.rotated(codes))
+    for x, xr, scale in ((k, kr, codes.k_scale), (v, vr, codes.v_scale)):
+        err = np.abs(np.asarray(x, np.float64) @ r - xr)
+        assert (err <= np.asarray(scale, np.float64)[..., None] / 2 * (1 + 1e-5) + 1e-6).all()
+    kd, vd = fmt.decode(codes, jnp.zeros(5, jnp.int32), jnp.ones(32))
+    chex.assert_trees_all_close((kd, vd), (kr @ r.T, vr @ r.T), atol=1e-4)
+
+
+def _attention64(q, k, v, valid):
+    """Float64 attention partial of q [B, Hkv, G, D] over slots k, v [B, Hkv, N, W, D], valid [B, N]."""
+    s = np.einsum("bkgd,bkntd->bkgnt", q / np.sqrt(q.shape[-1]), k)
+    mask = valid[:, None, None, :, None]
+    s = np.where(mask, s, -1e30)
+    m = s.max((-1, -2))
+    p = np.where(mask, np.exp(s - m[..., None, None]), 0.0)
+    return np.einsum("bkgnt,bkntd->bkgd", p, v), p.sum((-1, -2)), p.sum(-1)
+
+
+def _kernels():
+    pallas = functools.partial(ledger_attention, interpret=True, block_slots=2, num_splits=2, poison=True)
+    impls = {"reference": ledger_partial, "pallas": pallas}
+    if cpu_ledger.available():
+        impls["cpu"] = cpu_ledger.ledger_attention_cpu
+    return impls
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("impl", ["reference", "cpu", "pallas"])
+def test_attention_over_rotated_codes_equals_float64_attention_over_the_dequantized_kv(fmt, impl):
+    """Every implementation of the Q tier's partial reads the rotated codes (query rotated once, output
+    rotated back once) and gives float64 attention over the decoded, un-rotated K/V; invalid slots count 0."""
+    kernels = _kernels()
+    if impl not in kernels:
+        pytest.skip(f"the CPU kernel is unavailable: {cpu_ledger.unavailable_reason()}")
+    rng = np.random.default_rng(11)
+    b, hkv, g, d, nl, w = 2, 2, 3, 64, 11, 8
+    k = jnp.asarray(rng.standard_normal((b, hkv, nl, w, d)) * 2, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, hkv, nl, w, d)), jnp.float32)
+    starts = jnp.asarray(rng.integers(0, 400, (b, nl)), jnp.int32)
+    valid = rng.random((b, nl)) > 0.3
+    valid[1] = False  # a row with no valid slot
+    inv = jnp.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), jnp.float32)
+    codes = fmt.encode(k, v, starts, inv)
+    q = jnp.asarray(rng.standard_normal((b, hkv, g, d)), jnp.float32)
+    got = jax.jit(functools.partial(kernels[impl], window=w, fmt=fmt))(
+        q, QuantTier(codes, starts, jnp.asarray(valid)), inv
+    )
+    kd, vd = (np.asarray(x, np.float64) for x in fmt.decode(codes, starts, inv))
+    out, den, mass = _attention64(np.asarray(q, np.float64), kd, vd, valid)
+    chex.assert_shape(got.out, (b, hkv, g, d))
+    chex.assert_shape(got.mass, (b, hkv, g, nl))
+    chex.assert_trees_all_close((got.out, got.l, got.mass), (out, den, mass), atol=5e-5, rtol=2e-5)
+
+
+def test_a_rotated_q_window_costs_its_codes_and_grids():
+    """Bytes of one ledger slot per KV head and layer (hand count, W = 8, D = 64): rot-k4v3 keys 8 x 32 B of
+    codes + 8 x 4 B of f16 grids, values 8 x 24 + 32 = 512 B, against the channel format's 128 + 256 + 128 +
+    32 = 544 B; the abstract cache (what the budget solver measures) agrees."""
+    cfg = dataclasses.replace(tiny_llama(4096), head_dim=64)
+
+    def slot_bytes(quant: str) -> int:
+        def total(nl: int) -> int:
+            caps = Capacities(5, 8, 64, ring_capacity(64, 8, 8), 0, nl, nl, 64, 2, 8, quant=quant)
+            return sum(
+                x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_cache(caps, cfg, 1, jnp.bfloat16))
+            )
+
+        return total(1) - total(0)
+
+    heads = cfg.num_layers * cfg.num_kv_heads
+    metadata = slot_bytes("channel") - heads * 544  # window id, score, active flag per layer
+    assert metadata == cfg.num_layers * (4 + 4 + 1)
+    assert slot_bytes("rot-k4v3") == heads * 512 + metadata
+    assert slot_bytes("rot-k4v4") == heads * (2 * (256 + 32)) + metadata
+    assert slot_bytes("rot-k4v2") == heads * (256 + 32 + 128 + 32) + metadata
+
+
+def test_format_names_are_checked():
+    assert quant_format("rot-k4v3") == RotatedTokens(4, 3) and quant_format("channel", 4) == ChannelKeys(4)
+    with pytest.raises(ValueError, match="unknown ledger format"):
+        CacheConfig(quant="rot-k9v9")
+
+
+@pytest.mark.parametrize("quant", ["rot-k4v3", "rot-k4v2"])
+def test_qevict_in_the_rotated_format_with_room_for_everything_equals_full_kv(quant):
+    """Windows in F only (room for all), routing events on the way: Full-KV's tokens exactly."""
+    cfg = tiny_llama(2048)
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    prompt = np.random.default_rng(4).integers(0, cfg.vocab_size, 300).tolist()
+    sampler = SamplerConfig(max_new_tokens=12)
+    method = roomy_method("qevict", cfg, 300 + 12, quant=quant)
+    res = generate(model, [prompt], sampler, method, kv_dtype=jnp.float32)
+    assert res.compressed and res.cache.caps.quant == quant
+    assert res.tokens == generate(model, [prompt], sampler, FullKV(), kv_dtype=jnp.float32).tokens
