@@ -18,6 +18,7 @@ from qevict_jax.eval.sweep import (
     Job,
     check_config,
     expand_jobs,
+    lock_sweep,
     read_results,
     record_key,
     run_sweep,
@@ -228,3 +229,24 @@ def test_pivot_table_has_one_line_per_method_and_a_column_per_task():
     assert lines[2] == "| full | - | 100.0 (2) | 50.0 (2) | 75.0 | 1.000 |"
     assert lines[3] == "| qevict | 0.2 | 80.0 (2) | 40.0 (2) | 60.0 | 0.200 |"
     assert len(lines) == 4
+
+
+def test_a_second_writer_of_a_sweep_folder_stops_at_once_naming_the_first(tmp_path):
+    """One writer per folder: while another process holds the folder, lock_sweep (taken by ``qevict eval``
+    before the model loads, and by run_sweep) raises at once with that process's pid; once it exits, the
+    folder is free again."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from qevict_jax.eval.sweep import lock_sweep; "
+         f"lock_sweep({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"being written by another sweep \(pid {holder.pid} "):
+            lock_sweep(tmp_path)
+        with pytest.raises(ValueError, match="another sweep"):
+            run_sweep([], lambda job: {}, tmp_path / "results.jsonl", progress=False)
+    finally:
+        holder.communicate("")
+    lock_sweep(tmp_path)  # released with its holder
+    lock_sweep(tmp_path)  # re-entrant

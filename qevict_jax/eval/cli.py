@@ -25,7 +25,7 @@ from qevict_jax.eval.harness import (
     resolve_methods,
 )
 from qevict_jax.eval.plots import write_summary
-from qevict_jax.eval.sweep import check_config, expand_jobs, merge_results, run_sweep
+from qevict_jax.eval.sweep import check_config, expand_jobs, lock_sweep, merge_results, run_sweep
 from qevict_jax.methods import parse_set_options
 from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
 
@@ -156,6 +156,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.eval_task == "report":
         return cmd_report(args)
     precheck(args)
+    lock_sweep(args.out)  # one writer per sweep folder, taken before the model loads
     cfg, model, tok = load(args)
     run_eval(args, model, tok, eos_ids(cfg, tok))
     return 0

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import fcntl
 import io
 import json
 import math
 import os
+import socket
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -113,6 +116,35 @@ def append_record(f: io.TextIOBase, record: Mapping[str, Any]) -> None:
     os.fsync(f.fileno())
 
 
+_HELD_LOCKS: dict[Path, Any] = {}  # sweep folders this process writes: the open, flock-ed lock files
+
+
+def lock_sweep(out_dir: str | Path) -> None:
+    """Make this process the one writer of sweep folder ``out_dir`` (until it exits): an exclusive ``flock``
+    on ``out_dir/.lock``, which names the holder. A second sweep on the same folder fails at once with a
+    ValueError naming the process that holds it (two writers would append the same samples twice).
+    Re-entrant within a process."""
+    folder = Path(out_dir).resolve()
+    if folder in _HELD_LOCKS:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    f = (folder / ".lock").open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(
+            f"{out_dir} is being written by another sweep ({holder}); wait for it to finish or use another --out"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n")
+    f.flush()
+    _HELD_LOCKS[folder] = f
+
+
 def check_config(out_dir: str | Path, config: Mapping[str, Any]) -> None:
     """Record the sweep's identity (model, seed, ...) in ``sweep.json``; refuse to mix two configurations.
 
@@ -151,7 +183,7 @@ def run_sweep(
     from tqdm.auto import tqdm
 
     path = Path(results_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_sweep(path.parent)
     _repair_tail(path)
     done: dict[tuple, dict] = {}
     for rec in read_results(path):
