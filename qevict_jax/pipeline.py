@@ -1,0 +1,219 @@
+"""One import to generate or chat on a compressed cache: ``qevict_jax.load(name)`` returns a ``Pipeline`` that
+holds the model and its tokenizer.
+
+    pipe = qevict_jax.load("smollm2-135m-instruct")
+    reply = pipe.generate("What is a KV cache?", method="qevict:0.2,n_obs=64", max_new_tokens=64)
+    chat = pipe.chat(method="qevict", budget=0.2)
+    chat.send("Hello!"); chat.send("And what did I just say?")   # each turn appended to the compressed cache
+
+A method is a ``KVMethod`` object, a registry name, or a spec string ``"name[:budget][,option=value...]"``
+(``"qevict:0.2,n_obs=64"``, ``"snapkv:0.1"``, ``"full"``); ``budget=`` and keyword options apply to a name or
+spec (a spec's own values win). Everything runs through ``qevict_jax.generate.generate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from models.checkpoint import load_model
+from models.registry import DEFAULT_MODEL, resolve_model
+from models.tokenizer import Tokenizer
+from qevict_jax.generate import generate
+from qevict_jax.kv import DEFAULT_KV_DTYPE, KVMethod
+from qevict_jax.methods import make_method, parse_option_value
+from qevict_jax.results import GenerationResult
+from qevict_jax.sampling import SamplerConfig
+
+Messages = Sequence[Mapping[str, str]]
+
+
+def parse_method_spec(spec: str) -> tuple[str, float | None, dict[str, Any]]:
+    """``"qevict:0.2,n_obs=64"`` -> ("qevict", 0.2, {"n_obs": 64}); the budget and the options are optional."""
+    head, *rest = [part.strip() for part in spec.split(",")]
+    name, sep, budget_text = head.partition(":")
+    if not name.strip():
+        raise ValueError(f"method spec {spec!r} names no method (expected name[:budget][,option=value...])")
+    budget = None
+    if sep:
+        try:
+            budget = float(budget_text)
+        except ValueError:
+            raise ValueError(
+                f"method spec {spec!r}: the budget after ':' must be a number, got {budget_text!r}"
+            ) from None
+    options: dict[str, Any] = {}
+    for item in rest:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"method spec {spec!r}: expected option=value, got {item!r}")
+        options[key.strip()] = parse_option_value(value)
+    return name.strip(), budget, options
+
+
+def resolve_method(method: str | KVMethod, budget: float | None = None, **options: Any) -> KVMethod:
+    """A ``KVMethod`` from an object (returned as is), a name or a spec string (``parse_method_spec``)."""
+    if not isinstance(method, str):
+        if budget is not None or options:
+            raise ValueError("budget and options apply to a method name or spec, not to a method object")
+        return method
+    name, spec_budget, spec_options = parse_method_spec(method)
+    beta = spec_budget if spec_budget is not None else budget
+    opts = {**options, **spec_options}
+    if name == "full":
+        return make_method(name, **opts)
+    return make_method(name, 0.2 if beta is None else beta, **opts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """One generated answer and what its cache measured (``result`` holds everything else)."""
+
+    text: str
+    prompt_tokens: int
+    compressed: bool  # False: the input was too short to gain from compression and was kept whole
+    memory_ratio: float  # cache bytes / bytes of the uncompressed 16-bit cache at the final length
+    ttft_s: float
+    decode_tokens_per_s: float
+    result: GenerationResult
+
+    @property
+    def method(self) -> str:
+        return self.result.requested_method.name
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """A model and its tokenizer, ready to generate (``generate``) or hold a conversation (``chat``)."""
+
+    model: Any
+    tokenizer: Tokenizer
+    kv_dtype: Any = DEFAULT_KV_DTYPE
+
+    def encode(self, prompt: str | Messages, *, chat: bool = True) -> list[int]:
+        """Token ids of a prompt: a string (wrapped as one user message when ``chat`` and the tokenizer has a
+        template) or a list of ``{"role", "content"}`` messages (always templated)."""
+        tok = self.tokenizer
+        if isinstance(prompt, str) and not (chat and tok.chat_template):
+            return tok.encode(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if not tok.chat_template:
+            raise ValueError("this tokenizer has no chat template: pass the prompt as a string")
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+
+    def sampler(self, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplerConfig:
+        eos = tuple(sorted(set(self.model.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        return SamplerConfig(max_new_tokens, temperature, top_p, eos)
+
+    def reply(self, result: GenerationResult) -> Reply:
+        return Reply(
+            text=self.tokenizer.decode(result.tokens[0]),
+            prompt_tokens=result.prompt_lengths[0],
+            compressed=result.compressed,
+            memory_ratio=result.memory_ratio,
+            ttft_s=result.ttft_s,
+            decode_tokens_per_s=result.decode_tokens_per_s,
+            result=result,
+        )
+
+    def generate(
+        self,
+        prompt: str | Messages,
+        *,
+        method: str | KVMethod = "qevict",
+        budget: float | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        chat: bool = True,
+        **options: Any,
+    ) -> Reply:
+        """Generate an answer to ``prompt`` through ``method`` at ``budget`` (β; default 0.2) with ``options``."""
+        kv_method = resolve_method(method, budget, **options)
+        sampler = self.sampler(max_new_tokens, temperature, top_p)
+        ids = self.encode(prompt, chat=chat)
+        return self.reply(generate(self.model, [ids], sampler, kv_method, seed=seed, kv_dtype=self.kv_dtype))
+
+    def chat(
+        self,
+        *,
+        method: str | KVMethod = "qevict",
+        budget: float | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        **options: Any,
+    ) -> Conversation:
+        """A conversation whose turns are appended to one compressed cache (``Conversation.send``)."""
+        kv_method = resolve_method(method, budget, **options)
+        return Conversation(self, kv_method, self.sampler(max_new_tokens, temperature, top_p), seed)
+
+
+@dataclasses.dataclass
+class Conversation:
+    """Turns appended to one cache: the first ``send`` prefills the templated message, every later one
+    appends only the new turn's tokens (``generate(..., past=...)``), so the cache is continued, not rebuilt.
+    ``messages`` is the transcript."""
+
+    pipeline: Pipeline
+    method: KVMethod
+    sampler: SamplerConfig
+    seed: int = 0
+    messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    last: GenerationResult | None = None
+
+    def send(self, text: str) -> Reply:
+        """Append a user turn, generate the answer, return it (also appended to ``messages``)."""
+        pipe, tok = self.pipeline, self.pipeline.tokenizer
+        if not tok.chat_template:
+            raise ValueError("a conversation needs a tokenizer with a chat template")
+        turn = [*self.messages, {"role": "user", "content": text}]
+        if self.last is None:
+            ids = pipe.encode(turn)
+            result = generate(
+                pipe.model, [ids], self.sampler, self.method, seed=self.seed, kv_dtype=pipe.kv_dtype
+            )
+        else:
+            result = generate(
+                pipe.model, [self._next_turn_ids(turn)], self.sampler, seed=self.seed, past=self.last
+            )
+        reply = pipe.reply(result)
+        self.messages = [*turn, {"role": "assistant", "content": reply.text}]
+        self.last = result
+        return reply
+
+    def _next_turn_ids(self, turn: list[dict[str, str]]) -> list[int]:
+        """Tokens of the new turn as the template renders it after the last answer. The cache already holds
+        the answer's tokens and its last sampled token (the end-of-turn token when it stopped there), so the
+        new turn starts where the answer's text ends in the rendered transcript."""
+        tok = self.pipeline.tokenizer
+        answer = self.messages[-1]["content"].strip()  # templates may trim what surrounds the content
+        before = tok.apply_chat_template(self.messages, add_generation_prompt=False)
+        full = tok.apply_chat_template(turn, add_generation_prompt=True)
+        cut = before.rindex(answer) + len(answer) if answer else len(before)
+        if not full.startswith(before[:cut]):
+            raise ValueError("the chat template does not render the transcript as a prefix of the next turn")
+        rest = full[cut:]
+        last = self.last.tokens[0][-1] if self.last.tokens[0] else None
+        if last in tok.eos_token_ids:  # already in the cache as the pending token: do not feed it twice
+            eos_text = tok.decode([last], skip_special_tokens=False)
+            rest = rest[len(eos_text) :] if rest.startswith(eos_text) else rest
+        return tok.encode(rest, add_bos=False)
+
+
+def load(
+    name_or_path: str | Path = DEFAULT_MODEL, *, dtype: Any = None, kv_dtype: Any = DEFAULT_KV_DTYPE
+) -> Pipeline:
+    """The model ``name_or_path`` (a registered name, a converted folder, a Hugging Face folder or a ``.gguf``
+    file, converted once into the cache) with its tokenizer. ``dtype``: compute dtype (default the
+    checkpoint's); ``kv_dtype``: storage dtype of the KV cache (bfloat16)."""
+    path = resolve_model(name_or_path)
+    compute = None if dtype is None else jnp.dtype(dtype)
+    _, model = load_model(path, dtype=compute)
+    return Pipeline(model=model, tokenizer=Tokenizer.from_dir(path), kv_dtype=jnp.dtype(kv_dtype))
