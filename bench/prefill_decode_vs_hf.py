@@ -1,7 +1,8 @@
-"""Prefill + 32-token greedy decode of SmolLM2-135M-Instruct: qevict-jax Full-KV vs transformers eager.
+"""Prefill + 32-token greedy decode of a model (``--model``, default SmolLM2-135M-Instruct): qevict-jax Full-KV
+vs transformers eager.
 
 Same ~4K-token needle prompt, float32, CPU, same process. Prints a table; the last line is the headline ratio.
-Usage: python bench/prefill_decode_vs_hf.py [--context-tokens 4000] [--new-tokens 32]
+Usage: python bench/prefill_decode_vs_hf.py [--model NAME] [--context-tokens 4000] [--new-tokens 32]
 """
 
 from __future__ import annotations
@@ -9,11 +10,20 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax.numpy as jnp
 import numpy as np
+
+from models.checkpoint import load_model
+from models.registry import model_source, resolve_model, transformers_args
+from models.tokenizer import Tokenizer
+from qevict_jax.generate import SamplerConfig, generate
+from qevict_jax.model_args import add_model_arg
+from qevict_jax.needle import needle_prompt_text, needle_sample
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    add_model_arg(ap)
     ap.add_argument("--context-tokens", type=int, default=4000)
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
@@ -21,13 +31,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models.checkpoint import load_model
-    from models.registry import registered_source, resolve_model
-    from models.tokenizer import Tokenizer
-    from qevict_jax.generate import SamplerConfig, generate
-    from qevict_jax.needle import needle_prompt_text, needle_sample
-
-    path = resolve_model("smollm2-135m-instruct")
+    path = resolve_model(args.model)
     cfg, model = load_model(path)
     tok = Tokenizer.from_dir(path)
     s = needle_sample(0, args.context_tokens, lambda t: len(tok.encode(t, add_bos=False)))
@@ -38,16 +42,14 @@ def main() -> None:
     g = args.new_tokens
     sampler = SamplerConfig(max_new_tokens=g)  # no EOS: always decode g tokens
 
-    import jax.numpy as jnp
-
     # f32 KV, as transformers' f32 eager cache: the same arithmetic on both sides
     generate(model, [ids], sampler, kv_dtype=jnp.float32)  # compile
     ours = generate(model, [ids], sampler, kv_dtype=jnp.float32)
 
     torch.set_num_threads(2)
-    gguf = registered_source("smollm2-135m-instruct")
+    folder, kwargs = transformers_args(model_source(args.model))
     hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32, attn_implementation="eager"
+        folder, **kwargs, torch_dtype=torch.float32, attn_implementation="eager"
     ).eval()
     x = torch.tensor([ids])
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Where QEvict's decode-time routing cost comes from, CPU, one process (SmolLM2-135M-Instruct).
+"""Where QEvict's decode-time routing cost comes from, CPU, one process (``--model``, default SmolLM2).
 
 One prompt pass builds QEvict's cache (β = 0.2, bf16 KV) for a batch of needle prompts; then, on copies of
 that same cache, interleaved and repeated:
@@ -12,7 +12,7 @@ that same cache, interleaved and repeated:
 Every timing is the median over ``--repeats`` interleaved rounds, with its spread (min-max). The last line
 is the headline: routing's share of the decode loop (with - without, over with).
 
-Usage: python bench/routing_cpu.py [--context 4000] [--batch 4] [--new-tokens 64] [--repeats 5]
+Usage: python bench/routing_cpu.py [--model NAME] [--context 4000] [--batch 4] [--new-tokens 64] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from qevict_jax.cache import TieredCache
 from qevict_jax.decode import decode_jit
 from qevict_jax.kv import DEFAULT_KV_DTYPE
 from qevict_jax.methods import make_method
+from qevict_jax.model_args import add_model_arg
 from qevict_jax.needle import needle_prompt_text, needle_sample
 from qevict_jax.prefill import pad_prompts, prefill_jit, tokens_for_budget
 from qevict_jax.qevict import QEvict
@@ -66,6 +67,7 @@ def timed(fn: Callable[[Any], Any], arg: Any) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    add_model_arg(ap)
     ap.add_argument("--context", type=int, default=4000)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -73,7 +75,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
-    path = resolve_model("smollm2-135m-instruct")
+    path = resolve_model(args.model)
     cfg, model = load_model(path)
     tok = Tokenizer.from_dir(path)
     g = args.new_tokens

@@ -21,7 +21,7 @@ decodes ``--new-tokens`` tokens.
 fits, per method (its bytes from ``jax.eval_shape`` of the real constructor), then one run at that batch:
 aggregate tokens/s and the ratios of batch and tokens/s to Full-KV's largest batch.
 
-CPU: SmolLM2-135M-Instruct (f32 compute, bf16 KV), ``--contexts 2048,4096,8192``.
+CPU: ``--model`` (default SmolLM2-135M-Instruct; f32 compute, bf16 KV), ``--contexts 2048,4096,8192``.
 GPU (``--gpu``): random bf16 weights in Llama-3.1-8B shapes, built on the device (no checkpoint),
 ``--contexts 32768,65536,131072``, batch 1, stopping before ``--time-limit`` seconds (default 420) so that
 one call stays under 8 minutes.
@@ -58,6 +58,7 @@ from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length
 from qevict_jax.generate import GenerationResult, generate, lower_prefill
 from qevict_jax.kv import KVMethod
 from qevict_jax.methods import make_method
+from qevict_jax.model_args import add_model_arg
 from qevict_jax.sampling import SamplerConfig
 
 LLAMA31_8B = ModelConfig(
@@ -305,6 +306,7 @@ def fixed_memory(model, cfg, args, kv_dtype, param_bytes) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="random bf16 Llama-3.1-8B shapes at 32K/64K/128K")
+    add_model_arg(ap)
     ap.add_argument("--contexts", default=None, help="comma-separated prompt lengths")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=None)
@@ -332,9 +334,9 @@ def main(argv: list[str] | None = None) -> None:
         args.contexts = args.contexts or "2048"
         args.batches = args.batches or "1,4"
         args.new_tokens = args.new_tokens or 16
-        cfg, model = load_model(resolve_model("smollm2-135m-instruct"))
+        cfg, model = load_model(resolve_model(args.model))
         kv_dtype, compute_dtype = jnp.bfloat16, model.dtype
-        name = "SmolLM2-135M-Instruct, f32 compute, bf16 KV"
+        name = f"{args.model}, f32 compute, bf16 KV"
     param_bytes = int(sum(a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param))))
     print(
         f"{name}, {jax.default_backend()} ({jax.devices()[0].device_kind}), {args.new_tokens} new tokens, greedy"

@@ -1,4 +1,4 @@
-"""Time to first token of Full-KV and QEvict (β = 0.2) on SmolLM2-135M-Instruct, repeated, compile excluded.
+"""Time to first token of Full-KV and QEvict (β = 0.2) on a model (``--model``), repeated, compile excluded.
 
 One random prompt batch (row i of ``context - 8 * (i % 8)`` tokens, as ``bench/throughput.py`` builds them),
 ``generate`` with 2 new tokens: one call per method to compile, then ``--repeats`` rounds over the methods.
@@ -6,7 +6,7 @@ Prints the median, min and max TTFT per method and the first tokens (every repea
 To compare two versions of the code, run it alternately with ``PYTHONPATH`` set to each checkout.
 
 Usage:
-  PYTHONPATH=. python bench/ttft.py [--context 2048] [--batch 1] [--repeats 3]
+  PYTHONPATH=. python bench/ttft.py [--model smollm2-135m-instruct] [--context 2048] [--batch 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from models.checkpoint import load_model
 from models.registry import resolve_model
 from qevict_jax.generate import generate
 from qevict_jax.methods import make_method
+from qevict_jax.model_args import add_model_arg
 from qevict_jax.sampling import SamplerConfig
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arg(ap)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    cfg, model = load_model(resolve_model("smollm2-135m-instruct"))
+    cfg, model = load_model(resolve_model(args.model))
     rs = np.random.RandomState(0)
     prompts = [rs.randint(0, cfg.vocab_size, args.context - 8 * (i % 8)).tolist() for i in range(args.batch)]
     sampler = SamplerConfig(max_new_tokens=2)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can read BF16 tensors)
 import numpy as np
+from tqdm import tqdm
 
 from models.checkpoint import INFO_FILE, save_checkpoint
 from models.config import ModelConfig, UnsupportedModelError
@@ -248,11 +249,14 @@ def gather_params(
     dtype: Any = np.float32,
     permute: bool = False,
     ignore: Collection[str] = (),
+    *,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Read ``source`` into our params tree following ``PARAM_TABLE`` (``fmt`` = "hf" or "gguf").
 
     Checks every name and shape first (a ValueError lists all problems, each naming its tensor), then reads.
     permute: undo llama.cpp's q/k row permutation. ignore: source tensors that are allowed to be unused.
+    progress: a progress bar per tensor read, on a terminal only (tqdm ``disable=None``).
     Returns a nested dict of numpy arrays of ``dtype`` in the layout of ``param_shapes(cfg)``.
     """
     shapes = param_shapes(cfg)
@@ -288,19 +292,23 @@ def gather_params(
         raise ValueError("checkpoint does not match its model config: " + "; ".join(shown))
 
     params: dict[str, Any] = {}
-    for rule, target, names in plan:
-        out = np.empty(target, dtype)
-        for idx, name in enumerate(names):
-            w = source.read(name)
-            if permute and rule.gguf_permute is not None:
-                w = unpermute_rows(w, getattr(cfg, rule.gguf_permute))
-            if rule.transpose:
-                w = w.T
-            if rule.stacked:
-                out[idx] = w
-            else:
-                out[...] = w
-        _assign(params, rule.ours, out)
+    with tqdm(
+        total=len(used), unit="tensor", desc="converting", disable=None if progress else True, leave=False
+    ) as bar:
+        for rule, target, names in plan:
+            out = np.empty(target, dtype)
+            for idx, name in enumerate(names):
+                w = source.read(name)
+                bar.update()
+                if permute and rule.gguf_permute is not None:
+                    w = unpermute_rows(w, getattr(cfg, rule.gguf_permute))
+                if rule.transpose:
+                    w = w.T
+                if rule.stacked:
+                    out[idx] = w
+                else:
+                    out[...] = w
+            _assign(params, rule.ours, out)
     return params
 
 
@@ -423,24 +431,35 @@ def config_from_gguf(source: GGUFSource) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------- readers
-def read_hf(src: Path, dtype: Any = np.float32) -> tuple[ModelConfig, dict[str, Any]]:
-    """(config, params) of a Hugging Face folder (config.json + safetensors)."""
+def read_hf(
+    src: Path, dtype: Any = np.float32, *, progress: bool = False
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, params) of a Hugging Face folder (config.json + safetensors); progress: see gather_params."""
     cfg = ModelConfig.from_hf_dir(src)
     with ExitStack() as stack:
         source = SafetensorsSource(src, stack)
         ignore = {n for n in source.names() if n.endswith("rotary_emb.inv_freq")}
         if cfg.tie_word_embeddings:
             ignore.add("lm_head.weight")
-        params = gather_params(cfg, source, "hf", dtype, ignore=ignore)
+        params = gather_params(cfg, source, "hf", dtype, ignore=ignore, progress=progress)
     return cfg, params
 
 
-def read_gguf(src: Path, dtype: Any = np.float32) -> tuple[ModelConfig, dict[str, Any], GGUFSource]:
-    """(config, params, source) of a GGUF file; tensors are dequantized, Llama q/k un-permuted."""
+def read_gguf(
+    src: Path, dtype: Any = np.float32, *, progress: bool = False
+) -> tuple[ModelConfig, dict[str, Any], GGUFSource]:
+    """(config, params, source) of a GGUF file; tensors are dequantized, Llama q/k un-permuted; progress:
+    see gather_params."""
     source = GGUFSource(src)
     cfg = config_from_gguf(source)
     params = gather_params(
-        cfg, source, "gguf", dtype, permute=cfg.family == "llama", ignore={"rope_freqs.weight"}
+        cfg,
+        source,
+        "gguf",
+        dtype,
+        permute=cfg.family == "llama",
+        ignore={"rope_freqs.weight"},
+        progress=progress,
     )
     return cfg, params, source
 
@@ -463,12 +482,18 @@ def _staging_dir(out: Path) -> Iterator[Path]:
 
 
 def convert(
-    src: str | Path, out: str | Path, dtype: str = "float32", extra_info: dict[str, Any] | None = None
+    src: str | Path,
+    out: str | Path,
+    dtype: str = "float32",
+    extra_info: dict[str, Any] | None = None,
+    *,
+    progress: bool = False,
 ) -> Path:
     """Convert a Hugging Face folder or a ``.gguf`` file at ``src`` into a checkpoint folder ``out``.
 
     dtype: stored parameter dtype, "float32" or "bfloat16" (or "float16").
     ``out`` must not exist or be an empty folder. ``extra_info`` is merged into ``convert_info.json``.
+    progress: a progress bar per tensor on a terminal (tqdm ``disable=None``: silent when not a TTY).
     Returns ``out``.
     Raises FileNotFoundError (missing source / shard), UnsupportedModelError (architecture or option),
     CorruptCheckpointError (unreadable file), ValueError (names or shapes that disagree with the config).
@@ -485,13 +510,13 @@ def convert(
     if src.is_file():
         if src.suffix != ".gguf":
             raise ValueError(f"{src}: expected a Hugging Face folder or a .gguf file")
-        cfg, params, source = read_gguf(src, np_dtype)
+        cfg, params, source = read_gguf(src, np_dtype, progress=progress)
         kind = "gguf"
         if "tokenizer.ggml.tokens" in source.metadata:
             tokenizer = Tokenizer.from_gguf_metadata(source.metadata, source=str(src))
         del source
     else:
-        cfg, params = read_hf(src, np_dtype)
+        cfg, params = read_hf(src, np_dtype, progress=progress)
         kind = "hf"
     with _staging_dir(out) as tmp:
         save_checkpoint(params, cfg, tmp)

