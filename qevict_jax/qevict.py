@@ -127,5 +127,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # compressed before its question (question-agnostic mode), where the observation window is the context's
     # own tail and says nothing about what the question will need (README, "Question-agnostic")
     "qevict-keynorm": {"q_frac": 0.5, "ranking": "keynorm"},
+    # QEvict with the rotated per-token Q tier (keys 4 bits, values 3: docs/quant_study.md) at the paper's
+    # q_frac 0.70; chosen on development samples (seed 1000) against q_frac 0.5 and rot-k4v4 (docs/results.md)
+    "qevict-rot": {"quant": "rot-k4v3"},
+    # qevict-keynorm with the rotated Q tier: for a context compressed before its question
+    "qevict-keynorm-rot": {"q_frac": 0.5, "ranking": "keynorm", "quant": "rot-k4v3"},
 }
 """QEvict's named configurations (``CacheConfig`` fields over the defaults)."""
