@@ -110,20 +110,19 @@ def _results(q: jax.Array, nl: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     )
 
 
+def _code_args(codes) -> tuple[jax.Array, ...]:
+    """The ledger's fields as the kernel reads them: codes as bytes, grids as float16."""
+    return tuple(x if x.dtype == jnp.uint8 else x.astype(jnp.float16) for x in jax.tree.leaves(codes))
+
+
 def _rotated_cpu(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens) -> Partial:
     """``reference.RotatedAttention`` by the kernel's RotatedTokens handler."""
-    kc, ks, kz, vc, vs, vz = jax.tree.leaves(tier.codes)
-    call = jax.ffi.ffi_call(ROTATED_TARGET, _results(q_rot, kc.shape[2]), vmap_method="sequential")
-    f16 = jnp.float16
+    nl = tier.codes.k_codes.shape[2]
+    call = jax.ffi.ffi_call(ROTATED_TARGET, _results(q_rot, nl), vmap_method="sequential")
     return Partial(
         *call(
             q_rot.astype(jnp.float32),
-            kc,
-            ks.astype(f16),
-            kz.astype(f16),
-            vc,
-            vs.astype(f16),
-            vz.astype(f16),
+            *_code_args(tier.codes),
             tier.slot_valid.astype(jnp.uint8),
             k_bits=fmt.k_bits,
             v_bits=fmt.v_bits,
@@ -150,25 +149,19 @@ def ledger_attention_cpu(
     if not available():
         raise RuntimeError(f"the CPU ledger kernel is unavailable: {unavailable_reason()}")
     codes, slot_start, slot_valid = tier
-    kc, ks, kz, vc, vs, vz = jax.tree.leaves(codes)
-    nl = kc.shape[2]
+    nl = codes.k_codes.shape[2]
     if nl == 0:
         return empty_partial(q)
     if isinstance(fmt, RotatedTokens):
         return rotated_partial(q, tier, fmt, _rotated_cpu)
     if not isinstance(fmt, ChannelKeys):
         raise TypeError(f"unknown ledger format {fmt!r}")
-    f32, f16 = jnp.float32, jnp.float16
+    f32 = jnp.float32
     call = jax.ffi.ffi_call(TARGET, _results(q, nl), vmap_method="sequential")
     return Partial(
         *call(
             q.astype(f32),
-            kc,
-            ks.astype(f16),
-            kz.astype(f16),
-            vc,
-            vs.astype(f16),
-            vz.astype(f16),
+            *_code_args(codes),
             slot_valid.astype(jnp.uint8),
             slot_start.astype(jnp.int32),
             inv_freq.astype(f32),
