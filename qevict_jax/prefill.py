@@ -114,7 +114,7 @@ def fit_method(
         )
     except BudgetTooSmallError as err:
         whole = full_kv_bytes(model_cfg, int(lengths.max()) + max_new_tokens, kv_dtype, len(lengths))
-        if err.min_bytes >= whole:
+        if err.min_bytes >= whole or err.min_beta > 1:  # no beta in (0, 1] could compress it
             return Fit(FullKV(), False)
         shrink = (
             " shrink the recent region (option recent, e.g. recent=32)," if "recent" in method.options else ""
