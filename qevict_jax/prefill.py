@@ -98,8 +98,8 @@ def fit_method(
 
     A budgeted method keeps sinks and a recent region uncompressed and needs room for one unit of history
     beside them. When that smallest cache is at least as large as the uncompressed cache of the longest row
-    (prompt + ``max_new_tokens``), compression has nothing to save: everything is kept, by Full-KV
-    (``compressed`` False). When the sequence is long enough to compress but the budget cannot hold that
+    (prompt + ``max_new_tokens``), compression has nothing to save, and when only a β above 1 could hold it,
+    no budget can: in both cases everything is kept, by Full-KV (``compressed`` False). When the sequence is long enough to compress but the budget cannot hold that
     smallest cache, a ValueError says so in terms of the prompt, the budget and what to change. Sizing is
     checked on the abstract cache (``jax.eval_shape``), so any other sizing error surfaces here too.
     """

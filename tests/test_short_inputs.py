@@ -52,6 +52,13 @@ def test_a_short_conversation_continues_with_the_method_that_built_its_cache(mod
     assert second.compressed is False
 
 
+def test_a_sequence_no_beta_up_to_one_could_compress_is_kept_whole():
+    """30 tokens + 128 new: compression could save bytes in principle (the smallest cache is below the whole
+    sequence's), but only at a beta above 1 of the budget's tokens; no beta in (0, 1] honours it: kept whole."""
+    fit = fit_method(make_method("qevict", 0.2), CFG, np.asarray([30]), 128, "bucket", jnp.bfloat16)
+    assert isinstance(fit.method, FullKV) and not fit.compressed
+
+
 def test_a_long_prompt_still_compresses_with_the_method_asked_for(model):
     prompt = _prompt(2000)
     method = make_method("qevict", 0.2)
