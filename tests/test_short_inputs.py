@@ -72,7 +72,9 @@ def test_a_budget_too_small_for_a_compressible_prompt_is_refused_in_its_terms(mo
     """600 tokens could be compressed, but at β = 0.05 the budget cannot hold QEvict's 128-token recent region:
     refused before any compilation, naming the prompt length, the bytes, the least β and the options."""
     before = sum(EXECUTABLES.compilations.values())
-    with pytest.raises(ValueError, match=r"prompts of 600 tokens \(\+ 8 new\).*β >= 0\.\d+.*recent=32") as err:
+    with pytest.raises(
+        ValueError, match=r"prompts of 600 tokens \(\+ 8 new\).*β >= 0\.\d+.*recent=32"
+    ) as err:
         generate(model, [_prompt(600)], SAMPLER, make_method("qevict", 0.05))
     assert "beta" not in str(err.value)
     assert sum(EXECUTABLES.compilations.values()) == before
