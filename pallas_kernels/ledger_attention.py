@@ -1,4 +1,4 @@
-"""Decode attention over the packed INT2/INT4 ledger (the Q tier) as a Pallas kernel (DESIGN §7).
+"""Decode attention over the packed INT2/INT4 ledger (the Q tier) as a Pallas kernel (docs/design.md §9).
 
 ``ledger_attention`` has the signature and outputs of ``pallas_kernels.reference.ledger_partial``.
 It reads the packed codes and the f16 grids once, dequantizes in registers, re-rotates the keys at their

@@ -238,20 +238,20 @@ class SnapKV(PoolMethod):
     """SnapKV: observation-window attention, pooled, top-k per KV head, once after the prompt.
 
     Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469.
-    n_obs: observation window (last prompt queries, kept in full as the recent region); kernel: average
-    pooling kernel. GQA-aware: scores are averaged over the query heads of each KV group.
+    n_obs: observation window (last prompt queries, kept in full as the recent region); avg_pool_width:
+    average-pooling width. GQA-aware: scores are averaged over the query heads of each KV group.
     """
 
     name: str = "snapkv"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
     n_obs: int = 32
-    kernel: int = 5
-    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "kernel")
+    avg_pool_width: int = 5
+    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "avg_pool_width")
     protects_recent: ClassVar[bool] = True
 
     @property
     def ranking(self) -> SnapKVRanking:
-        return SnapKVRanking(n_obs=self.n_obs, kernel=self.kernel)
+        return SnapKVRanking(n_obs=self.n_obs, avg_pool_width=self.avg_pool_width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +310,7 @@ class CriticalKV(SnapKV):
     def ranking(self) -> CriticalKVRanking:
         return CriticalKVRanking(
             n_obs=self.n_obs,
-            kernel=self.kernel,
+            avg_pool_width=self.avg_pool_width,
             first_stage_ratio=self.first_stage_ratio,
             epsilon=self.epsilon,
         )
@@ -323,7 +323,7 @@ class ReSTKV(PoolMethod):
     An et al., "ReST-KV: Robust KV Cache Eviction with Layer-wise Output Reconstruction and Spatial-Temporal
     Smoothing", arXiv 2605.08840 (reference code: ``restkv_utils.RestKVCluster``). EMA (alpha) over the
     last ``n_obs`` prompt queries' attention rows, score ``a/(1-a) * ||W_O,h (o - v_j)||_2`` with the layer's
-    real W_O, adaptive-window average pooling (kernel >= ``kernel``, ``scale`` positions per kernel step),
+    real W_O, adaptive-window average pooling (width >= ``avg_pool_width``, ``scale`` positions per width step),
     GQA-aware (mean over the group), top-k per KV head once after the prompt.
     """
 
@@ -331,14 +331,16 @@ class ReSTKV(PoolMethod):
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
     n_obs: int = 32
     alpha: float = 0.3
-    kernel: int = 5
+    avg_pool_width: int = 5
     scale: float = 200.0
-    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "alpha", "kernel", "scale")
+    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "alpha", "avg_pool_width", "scale")
     protects_recent: ClassVar[bool] = True
 
     @property
     def ranking(self) -> RestKVRanking:
-        return RestKVRanking(n_obs=self.n_obs, alpha=self.alpha, kernel=self.kernel, scale=self.scale)
+        return RestKVRanking(
+            n_obs=self.n_obs, alpha=self.alpha, avg_pool_width=self.avg_pool_width, scale=self.scale
+        )
 
 
 BASELINES: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""The budget solver (DESIGN §3): static buffer sizes (``config.Capacities``) such that the summed ``nbytes`` of
+"""The budget solver (docs/design.md §3): static buffer sizes (``config.Capacities``) such that the summed ``nbytes`` of
 every array of the cache pytree, metadata, scores and counters included, is at most the byte budget.
 
 Sizes are measured on the abstract cache (``jax.eval_shape`` of the real constructor), so the solver and the

@@ -1,5 +1,5 @@
 """The cache pytrees of the budgeted methods, their constructor and abstract shapes, and the sink and ring
-helpers both engines share (DESIGN §4).
+helpers both engines share (docs/design.md §5).
 
 Per layer and batch row a cache holds sink tokens, a local ring (recent region + the window being filled +
 the windows that left the recent region since the last routing event) and the counters (``SinkRingCache``),
@@ -9,10 +9,10 @@ pre-RoPE; active = Q tier, dormant = codes kept for a promoted window), or ``Poo
 the per-head eviction baselines (``qevict_jax.pool``). Window w covers absolute positions
 ``[S + wW, S + (w+1)W)``; positions are never renumbered.
 
-Deviation from DESIGN §4: scores are kept per slot (``fp_score`` [B, NF], ``ledger.score`` [B, NL], ``loc_score``
-[B, RING/W]) and move with their window, instead of one ``score [B, NWmax]`` array indexed by window id.
-Evicted windows never come back, so nothing is lost, and the cache size no longer grows with the maximum
-sequence length: at a fixed byte budget NF and NQ are the same for any length.
+Scores are kept per slot (``fp_score`` [B, NF], ``ledger.score`` [B, NL], ``loc_score`` [B, RING/W]) and move
+with their window, not in one array indexed by window id: evicted windows never come back, so nothing is
+lost, and the cache size does not grow with the maximum sequence length (at a fixed byte budget NF and NQ
+are the same for any length).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from qevict_jax.generate import SamplerConfig, generate
 from qevict_jax.methods import available_methods, cache_stats, make_method, options_for, parse_set_options
 from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
 from qevict_jax.needle import needle_correct, needle_prompt_text, needle_sample
+from qevict_jax.streaming import TextStream
 from qevict_jax.train_gates import TrainConfig, load_text, train
 
 
@@ -63,14 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--question-agnostic", action="store_true", help="compress the context before the question"
     )
     p.add_argument(
-        "--kernel",
+        "--pallas",
         action="store_true",
         help="force the Pallas decode-attention kernels (interpret mode off GPU)",
     )
+    p.add_argument("--kernel", action="store_true", help=argparse.SUPPRESS)  # renamed --pallas: an error
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     _add_method_args(p)
     _add_sampler_args(p, 64)
     p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the answer as it is produced (a host callback per decoded token; off: none compiled in)",
+    )
 
     p = sub.add_parser(
         "needle", help="seeded needle-in-a-haystack prompts over pydoc prose; accuracy per method"
@@ -139,9 +146,13 @@ def _encode_prompt(tok, context: str, question: str | None, chat: bool) -> tuple
 def cmd_generate(args) -> int:
 
     opts = options_for(args.method, parse_set_options(args.set))
-    if args.kernel:
-        opts["kernel"] = True
+    if args.pallas:
+        opts["pallas"] = True
     method = make_method(args.method, args.budget, **opts)
+    if args.kernel:
+        raise ValueError("--kernel was renamed --pallas (force the Pallas decode-attention kernels)")
+    if args.stream and args.json:
+        raise ValueError("--stream prints text as it comes and --json one line at the end: choose one")
     if args.question_agnostic and not args.question:
         raise ValueError("--question-agnostic needs --question (the part of the prompt kept uncompressed)")
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
@@ -149,8 +160,16 @@ def cmd_generate(args) -> int:
     ids, question_start = _encode_prompt(tok, text, args.question, chat=not args.no_chat)
     sampler = SamplerConfig(args.max_new_tokens, args.temperature, args.top_p, eos_ids(cfg, tok))
     starts = [question_start] if args.question_agnostic else None
+    stream = TextStream(decode=tok.decode, write=_write_now) if args.stream else None
     res = generate(
-        model, [ids], sampler, method, seed=args.seed, question_starts=starts, kv_dtype=kv_dtype(args)
+        model,
+        [ids],
+        sampler,
+        method,
+        seed=args.seed,
+        question_starts=starts,
+        kv_dtype=kv_dtype(args),
+        on_token=stream,
     )
     out = tok.decode(res.tokens[0])
     record = {
@@ -171,6 +190,8 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(record))
     else:
+        if args.stream:
+            print()  # ends the streamed text's line
         if method.uses_budget and not res.compressed:
             print(
                 f"note: {method.name} kept every token: its smallest cache (sinks, recent region, one unit of "
@@ -178,7 +199,8 @@ def cmd_generate(args) -> int:
                 "tokens uncompressed, so nothing was compressed",
                 file=sys.stderr,
             )
-        print(out)
+        if not args.stream:
+            print(out)
         print(
             f"\n[{method.name}] prompt {len(ids)} tokens, {res.new_tokens} new; TTFT {res.ttft_s:.2f}s; "
             f"decode {res.decode_tokens_per_s:.1f} tok/s; memory ratio {res.memory_ratio:.3f} "
@@ -186,6 +208,11 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _write_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def cmd_needle(args) -> int:

@@ -1,4 +1,4 @@
-"""Static cache configuration (DESIGN §3): ``CacheConfig`` (what a method asks for) and ``Capacities`` (the
+"""Static cache configuration (docs/design.md §4): ``CacheConfig`` (what a method asks for) and ``Capacities`` (the
 static buffer sizes ``qevict_jax.budget`` solves for). Both are frozen and hashable (static ``jax.jit``
 arguments).
 """
@@ -35,7 +35,7 @@ class CacheConfig:
         (exponentially decayed attention), "pnorm" (sum over queries of window mass to the power ``p``),
         "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill).
     n_obs: observation window: the last ``n_obs`` prompt queries whose attention initializes the scores.
-    pool: max-pool kernel over neighbouring tokens of the observation rows (SnapKV-style; 0 = none).
+    max_pool_width: max-pool width over neighbouring tokens of the observation rows (SnapKV-style; 0 = none).
     spill: tokens after a window whose windows are ranked with its score when it is higher (the
         ``ceil(spill / W)`` windows covering them; 0 = none), at prefill placement and at every routing
         event (``scoring.spilled_key``): attention points at where an answer starts, and the continuation
@@ -44,9 +44,10 @@ class CacheConfig:
     p: exponent of the "pnorm" ranking.
     promotion: allow Q -> F promotions at routing.
     prefill_chunk: query chunk of the prefill attention.
-    kernel: decode attention of the tiered layout through the Pallas kernels (``pallas_kernels``): None =
+    pallas: decode attention of the tiered layout through the Pallas kernels (``pallas_kernels``): None =
         only on a GPU, True = always (interpret mode off a GPU: slow, for tests), False = jnp reference.
-    layout: which tiers hold the history (one cache pytree, ``tiered.TieredCache``, for every layout):
+    layout: which tiers hold the history (``cache.TieredCache`` for the window layouts, ``cache.PoolCache``
+        for "pool"):
         "tiered": F + Q windows (QEvict, R1-R4); "pool": a per-KV-head token pool (W = 1; each slot records
         its owner KV head; the eviction baselines); "local": sinks + recent region only, the recent region
         grown to fill the budget (StreamingLLM); "keep_all": every window that leaves the recent region is
@@ -66,14 +67,14 @@ class CacheConfig:
     budget_bytes: int | None = None
     ranking: str = "cumulative"
     n_obs: int = 32
-    pool: int = 0
+    max_pool_width: int = 0
     spill: int = 8
     decay: float = 0.98
     p: float = 3.0
     promotion: bool = True
     prefill_chunk: int = 512
     layout: str = "tiered"
-    kernel: bool | None = None
+    pallas: bool | None = None
     static: bool = False
 
     def __post_init__(self) -> None:
@@ -121,8 +122,8 @@ class CacheConfig:
             raise ValueError(f"unknown ranking {self.ranking!r}; available: {', '.join(RANKINGS)}")
         if self.n_obs < 1:
             raise ValueError(f"n_obs must be >= 1, got {self.n_obs}")
-        if self.pool < 0:
-            raise ValueError(f"pool must be >= 0 (0 = no pooling), got {self.pool}")
+        if self.max_pool_width < 0:
+            raise ValueError(f"max_pool_width must be >= 0 (0 = no pooling), got {self.max_pool_width}")
         if self.spill < 0:
             raise ValueError(f"spill must be >= 0 (0 = none), got {self.spill}")
         if not 0.0 < self.decay <= 1.0:

@@ -16,6 +16,7 @@ from qevict_jax.kv import KVMethod
 from qevict_jax.prefill import prefill_logits
 from qevict_jax.sampling import SamplerConfig, sample
 from qevict_jax.sharding import Mesh, constrain_cache, constrain_rows
+from qevict_jax.streaming import emit_in_loop
 
 
 @struct.dataclass
@@ -40,11 +41,14 @@ def _decode(
     method: KVMethod,
     sampler: SamplerConfig,
     mesh: Mesh | None = None,
+    stream_id: jax.Array | None = None,
 ):
     """Decode loop: first [B] token (at positions ``lengths``) -> (tokens [B, G], num_tokens [B], steps
     taken [], cache). After it, each row's cache holds ``lengths + steps`` tokens and ``tokens[:, steps]``
     is the last sampled token, not yet in the cache. On a ``mesh`` the loop carry's cache is constrained to
-    its sharding every step (and the token buffer [B, G] to the batch split), so it never moves."""
+    its sharding every step (and the token buffer [B, G] to the batch split), so it never moves. With a
+    ``stream_id`` [] (``streaming.open_stream``) each step's tokens [B] also go to that stream's host sink as
+    they are sampled; without one the loop contains no callback."""
     model: Transformer = nnx.merge(graphdef, state)
     b = first.shape[0]
     g = sampler.max_new_tokens
@@ -64,6 +68,7 @@ def _decode(
         cache = constrain_cache(method.decode_route(cache, inv_freq), mesh)
         nxt = sample(logits[:, 0], key, sampler)
         nxt = jnp.where(state.done, eos[0], nxt)
+        emit_in_loop(stream_id, nxt, ~state.done)
         return DecodeState(
             step=state.step + 1,
             cache=cache,

@@ -114,7 +114,7 @@ def scores_to_keys(cache: TieredCache) -> TieredCache:
 
 
 GATE_QEVICT_OPTIONS = (
-    *(o for o in QEVICT_OPTIONS if o not in ("ranking", "n_obs", "pool", "decay", "p")),
+    *(o for o in QEVICT_OPTIONS if o not in ("ranking", "n_obs", "max_pool_width", "decay", "p")),
     "gates",
 )
 

@@ -9,6 +9,7 @@ Prompts are right-padded to a length bucket; the KV cache is a pytree handed fro
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from qevict_jax.prefill import (
 from qevict_jax.results import GenerationResult, TeacherForcedResult
 from qevict_jax.sampling import SamplerConfig
 from qevict_jax.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state
+from qevict_jax.streaming import TokenSink, open_stream
 
 
 def generate(
@@ -48,6 +50,7 @@ def generate(
     past: GenerationResult | None = None,
     kv_dtype: Any = DEFAULT_KV_DTYPE,
     mesh: Mesh | None = None,
+    on_token: TokenSink | None = None,
 ) -> GenerationResult:
     """Generate for a batch of token prompts of different lengths.
 
@@ -63,13 +66,24 @@ def generate(
     kv_dtype: storage dtype of the KV cache (bfloat16 by default); Full-KV's reference bytes use it too.
     mesh: run on this device mesh (``sharding.make_mesh``): batch over "data", KV heads, the tiers and the
     attention/MLP weights over "model" (``qevict_jax.sharding``); the batch must divide by the "data" axis.
+    on_token: stream the output: called on the host with each position's tokens [B] and live [B] as they
+    are sampled (``qevict_jax.streaming``), the first from the prompt pass, then one per decode step.
     """
     if past is not None and method is not None and method == past.requested_method:
         method = past.method  # the method that built the cache (Full-KV where nothing was compressed)
     method = method or (past.method if past is not None else None) or FullKV()
     if past is None:
         return generate_shared(
-            model, prompts, sampler, [method], seed, budget_rounding, question_starts, kv_dtype, mesh
+            model,
+            prompts,
+            sampler,
+            [method],
+            seed,
+            budget_rounding,
+            question_starts,
+            kv_dtype,
+            mesh,
+            on_token=on_token,
         )[0]
     if question_starts is not None:
         raise ValueError("question_starts and past exclude each other: a new turn is appended whole")
@@ -82,7 +96,7 @@ def generate(
     need = int(max(start + np.array([len(t) for t in turns]))) + sampler.max_new_tokens
     cache = method.reserve(past.cache, need)
     result = _continue(
-        model, method, cache, None, start, turns, sampler, seed, prompts, past.kv_dtype, 0.0, mesh
+        model, method, cache, None, start, turns, sampler, seed, prompts, past.kv_dtype, 0.0, mesh, on_token
     )
     result.requested_method = past.requested_method or method
     return result
@@ -98,14 +112,19 @@ def generate_shared(
     question_starts: Sequence[int] | None = None,
     kv_dtype: Any = DEFAULT_KV_DTYPE,
     mesh: Mesh | None = None,
+    *,
+    on_token: TokenSink | None = None,
 ) -> list[GenerationResult]:
     """``generate`` with several methods on the same prompts, from one prompt pass (``Fanout``): one
     result per method, as ``generate`` would return them.
 
     With several methods, each result's ``ttft_s`` includes the one shared prefill, not a per-method one.
     A method that could save nothing on these prompts (``prefill.fit_method``: its sinks and recent region
-    already hold them) runs as Full-KV, and its result says ``compressed=False``.
+    already hold them) runs as Full-KV, and its result says ``compressed=False``. ``on_token`` (``generate``'s)
+    streams one method's output, so it needs exactly one method.
     """
+    if on_token is not None and len(methods) != 1:
+        raise ValueError(f"streaming follows one method's output; got {len(methods)} methods")
     check_prompts(prompts, model.cfg, sampler)
     check_batch(len(prompts), mesh)
     full_lengths = np.array([len(p) for p in prompts], np.int32)
@@ -163,6 +182,7 @@ def generate_shared(
                 kv_dtype,
                 prefill_s,
                 mesh,
+                on_token,
             )
             results[i].compile_s += compile_s
             results[i].compressed = fits[i].compressed
@@ -236,9 +256,11 @@ def _continue(
     kv_dtype: Any,
     prefill_s: float,
     mesh: Mesh | None = None,
+    on_token: TokenSink | None = None,
 ) -> GenerationResult:
     """Append ``turns`` (if any) at positions ``start`` [B], then decode from ``first`` (the prefill's token,
-    used when nothing is appended). ``ttft_s`` = ``prefill_s`` + the append, compilation excluded."""
+    used when nothing is appended). ``ttft_s`` = ``prefill_s`` + the append, compilation excluded. With
+    ``on_token`` the first token goes to it from the host, the rest from inside the decode loop."""
     graphdef, state = _split(model, mesh)
     compile_s = 0.0
     t0 = time.perf_counter()
@@ -264,20 +286,24 @@ def _continue(
         positions = positions + counts
     first.block_until_ready()
     t1 = time.perf_counter()
-    (out, counts, steps, cache), compile_decode = EXECUTABLES.run(
-        decode_jit,
-        {0: graphdef, 6: method, 7: sampler, 8: mesh},
-        graphdef,
-        state,
-        cache,
-        first,
-        place_rows(positions, mesh),
-        place_replicated(k_decode, mesh),
-        method,
-        sampler,
-        mesh,
-    )
-    out = np.asarray(out)
+    if on_token is not None:
+        on_token(np.asarray(first), np.ones(len(prompts), bool))
+    with open_stream(on_token) if on_token is not None else contextlib.nullcontext() as stream_id:
+        (out, counts, steps, cache), compile_decode = EXECUTABLES.run(
+            decode_jit,
+            {0: graphdef, 6: method, 7: sampler, 8: mesh},
+            graphdef,
+            state,
+            cache,
+            first,
+            place_rows(positions, mesh),
+            place_replicated(k_decode, mesh),
+            method,
+            sampler,
+            mesh,
+            None if stream_id is None else place_replicated(stream_id, mesh),
+        )
+        out = np.asarray(out)
     t2 = time.perf_counter()
     counts, steps = np.asarray(counts), int(steps)
     final_tokens = int(sum(positions[i] + counts[i] - 1 for i in range(len(prompts))))

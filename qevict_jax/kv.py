@@ -1,6 +1,6 @@
 """The KV-cache method interface, and the uncompressed Full-KV cache.
 
-A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) with three functions:
+A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) with these functions:
 
 - ``init_cache(model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens)``: an empty
   cache pytree, every array with a leading layer axis ``[L, ...]``; ``prompt_lengths`` [B] int32 are the real
@@ -66,7 +66,7 @@ class KVMethod(Protocol):
 
 
 DEFAULT_KV_DTYPE = jnp.bfloat16
-"""The KV cache is stored in a 16-bit dtype whatever the compute dtype (DESIGN §3), as deployments do."""
+"""The KV cache is stored in a 16-bit dtype whatever the compute dtype (docs/design.md §3), as deployments do."""
 
 
 def full_kv_bytes(model_cfg: ModelConfig, num_tokens: int, dtype: Any, batch: int = 1) -> int:

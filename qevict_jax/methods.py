@@ -38,13 +38,24 @@ def default_method(name: str) -> KVMethod:
     raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
 
 
+RENAMED_OPTIONS: dict[str, str] = {
+    "kernel": "'pallas' (decode attention through the Pallas kernels) or 'avg_pool_width' (SnapKV's, CriticalKV's "
+    "and ReST-KV's average-pooling width)",
+    "pool": "'max_pool_width' (the max-pool width over neighbouring tokens of the observation rows)",
+}
+"""Option names of the previous release, each with the name(s) that replaced it: a clear error, not a silent
+no-op, for scripts that still use them."""
+
+
 def configure(method: KVMethod, budget: float | None = None, **options: Any) -> KVMethod:
     """``method`` with byte budget ``budget`` (fraction of Full-KV; None keeps it) and ``options`` set.
 
     An option is any name in ``method.options``: a field of the method itself (``n_obs`` of SnapKV) or of
     its ``CacheConfig`` (``recent``, ``window``, ``n_obs`` of QEvict, ...). A name the method lacks is a
-    ValueError listing the ones it has.
+    ValueError listing the ones it has; a renamed one names its replacement (``RENAMED_OPTIONS``).
     """
+    for old in sorted(set(options) & set(RENAMED_OPTIONS)):
+        raise ValueError(f"option {old!r} was renamed: use {RENAMED_OPTIONS[old]}")
     unknown = sorted(set(options) - set(method.options))
     if unknown:
         raise ValueError(

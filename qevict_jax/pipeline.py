@@ -14,7 +14,7 @@ spec (a spec's own values win). Everything runs through ``qevict_jax.generate.ge
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from qevict_jax.kv import DEFAULT_KV_DTYPE, KVMethod
 from qevict_jax.methods import make_method, parse_option_value
 from qevict_jax.results import GenerationResult
 from qevict_jax.sampling import SamplerConfig
+from qevict_jax.streaming import TextStream
 
 Messages = Sequence[Mapping[str, str]]
 
@@ -131,13 +132,29 @@ class Pipeline:
         top_p: float = 1.0,
         seed: int = 0,
         chat: bool = True,
+        stream: Callable[[str], object] | None = None,
         **options: Any,
     ) -> Reply:
-        """Generate an answer to ``prompt`` through ``method`` at ``budget`` (β; default 0.2) with ``options``."""
+        """Generate an answer to ``prompt`` through ``method`` at ``budget`` (β; default 0.2) with ``options``;
+        ``stream`` receives the answer's text piece by piece as it is produced (e.g. ``print`` with
+        ``end=""``)."""
         kv_method = resolve_method(method, budget, **options)
         sampler = self.sampler(max_new_tokens, temperature, top_p)
         ids = self.encode(prompt, chat=chat)
-        return self.reply(generate(self.model, [ids], sampler, kv_method, seed=seed, kv_dtype=self.kv_dtype))
+        result = generate(
+            self.model,
+            [ids],
+            sampler,
+            kv_method,
+            seed=seed,
+            kv_dtype=self.kv_dtype,
+            on_token=self.text_stream(stream),
+        )
+        return self.reply(result)
+
+    def text_stream(self, write: Callable[[str], object] | None) -> TextStream | None:
+        """The token sink that decodes row 0's tokens and hands ``write`` each new piece of text."""
+        return None if write is None else TextStream(decode=self.tokenizer.decode, write=write)
 
     def chat(
         self,
@@ -168,8 +185,9 @@ class Conversation:
     messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
     last: GenerationResult | None = None
 
-    def send(self, text: str) -> Reply:
-        """Append a user turn, generate the answer, return it (also appended to ``messages``)."""
+    def send(self, text: str, *, stream: Callable[[str], object] | None = None) -> Reply:
+        """Append a user turn, generate the answer, return it (also appended to ``messages``); ``stream``
+        as in ``Pipeline.generate``."""
         pipe, tok = self.pipeline, self.pipeline.tokenizer
         if not tok.chat_template:
             raise ValueError("a conversation needs a tokenizer with a chat template")
@@ -177,11 +195,22 @@ class Conversation:
         if self.last is None:
             ids = pipe.encode(turn)
             result = generate(
-                pipe.model, [ids], self.sampler, self.method, seed=self.seed, kv_dtype=pipe.kv_dtype
+                pipe.model,
+                [ids],
+                self.sampler,
+                self.method,
+                seed=self.seed,
+                kv_dtype=pipe.kv_dtype,
+                on_token=pipe.text_stream(stream),
             )
         else:
             result = generate(
-                pipe.model, [self._next_turn_ids(turn)], self.sampler, seed=self.seed, past=self.last
+                pipe.model,
+                [self._next_turn_ids(turn)],
+                self.sampler,
+                seed=self.seed,
+                past=self.last,
+                on_token=pipe.text_stream(stream),
             )
         reply = pipe.reply(result)
         self.messages = [*turn, {"role": "assistant", "content": reply.text}]

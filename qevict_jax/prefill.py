@@ -205,7 +205,7 @@ def _append(
     sampler: SamplerConfig,
     mesh: Mesh | None = None,
 ):
-    """Append a chunk of tokens to a (compressed) cache, then run one routing event (DESIGN §5).
+    """Append a chunk of tokens to a (compressed) cache, then run one routing event (docs/design.md §6).
 
     tokens [B, Q] right-padded: row b feeds its first ``count[b]`` (>= 1) tokens at positions ``start[b]``,
     ``start[b] + 1``, ... through the method's decode attention (each attends over the cache's tiers and

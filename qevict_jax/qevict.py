@@ -34,13 +34,13 @@ QEVICT_OPTIONS = (
     "quant",
     "ranking",
     "n_obs",
-    "pool",
+    "max_pool_width",
     "spill",
     "decay",
     "p",
     "promotion",
     "prefill_chunk",
-    "kernel",
+    "pallas",
     "budget_bytes",
 )
 """Options of the window-tier methods (QEvict, R1-R4): fields of their ``CacheConfig``."""
@@ -63,7 +63,12 @@ class QEvict(SizedByCapacities):
     def ranking(self) -> Ranking:
         c = self.cache
         return make_ranking(
-            c.ranking, decay=c.decay, p=c.p, n_obs=c.n_obs, pool=c.pool, spill=self.spill_windows
+            c.ranking,
+            decay=c.decay,
+            p=c.p,
+            n_obs=c.n_obs,
+            max_pool_width=c.max_pool_width,
+            spill=self.spill_windows,
         )
 
     @property
@@ -106,7 +111,7 @@ class QEvict(SizedByCapacities):
 
     def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
-        return decode_layer(q, k, v, layer_cache, ctx, self.ranking, use_pallas(self.cache.kernel))
+        return decode_layer(q, k, v, layer_cache, ctx, self.ranking, use_pallas(self.cache.pallas))
 
 
 VARIANTS: dict[str, dict[str, Any]] = {

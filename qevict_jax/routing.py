@@ -1,4 +1,4 @@
-"""Routing of windows between the tiers (DESIGN §6): a pure plan on metadata, then fixed-shape migration.
+"""Routing of windows between the tiers (docs/design.md §7): a pure plan on metadata, then fixed-shape migration.
 
 ``plan_routing`` works on one batch row's metadata (window ids and scores of F slots, ledger slots and
 candidate windows) and decides the new tier of every window, which slots newcomers go to, and the new

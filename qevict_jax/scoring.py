@@ -1,4 +1,4 @@
-"""Rankings behind one interface, shared by both cache engines (DESIGN §5-§6; QEvict Appendix J).
+"""Rankings behind one interface, shared by both cache engines (docs/design.md §8; QEvict Appendix J).
 
 A ranking says how important a kept entry is (higher = keep) and how that changes while decoding. Every
 ranking (``ScoreDynamics``) provides:
@@ -139,14 +139,14 @@ class Ranking(ScoreDynamics):
     """Cumulative attention (the default ranking): the mass of the observation window's rows, then one decode
     query row per step. Every window-engine ranking is a subclass overriding what differs.
 
-    n_obs: observation window (the last prompt queries) that initializes the attention-based scores; pool:
-    max-pool kernel over neighbouring tokens of the observation rows (0 or 1 = none); spill: windows after a
+    n_obs: observation window (the last prompt queries) that initializes the attention-based scores;
+    max_pool_width: max-pool width over neighbouring tokens of the observation rows (0 or 1 = none); spill: windows after a
     window that are ranked with its score when it is higher (``spilled_key``, at prefill placement and at
     every routing event; the stored scores stay each window's own).
     """
 
     n_obs: int = 32
-    pool: int = 0
+    max_pool_width: int = 0
     spill: int = 0
     name: ClassVar[str] = "cumulative"
 
@@ -163,7 +163,7 @@ class Ranking(ScoreDynamics):
         v: jax.Array | None = None,
         wo: jax.Array | None = None,
     ) -> jax.Array:
-        """Scores [B, NW] of the prompt windows after the prompt pass (DESIGN §5).
+        """Scores [B, NW] of the prompt windows after the prompt pass (docs/design.md §6).
 
         q [B, T, H, D], k [B, T, Hkv, D] (post-RoPE, positions 0..T-1), lengths [B] (right padding);
         column_mass [B, Hkv, G, T]: attention each key received from every valid query ("cumulative-all").
@@ -175,7 +175,7 @@ class Ranking(ScoreDynamics):
 
     def rows(self, q: jax.Array, k: jax.Array, lengths: jax.Array, sliding_window: int | None) -> jax.Array:
         """The observation window's head-mean attention rows [B, n_obs, T] (``observation_mass``)."""
-        return observation_mass(q, k, lengths, self.n_obs, sliding_window, self.pool)
+        return observation_mass(q, k, lengths, self.n_obs, sliding_window, self.max_pool_width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,14 +259,14 @@ class KeyNormRanking(Ranking):
 
 @dataclasses.dataclass(frozen=True)
 class RestKVRanking(Ranking):
-    """ReST-KV's output-change score at prefill (``restkv_scores``, kernel-5 average pooling), head-mean,
+    """ReST-KV's output-change score at prefill (``restkv_scores``, width-5 average pooling), head-mean,
     summed per window, for the windows that end before the observation window, rescaled per row so that
     these windows' total equals their observation-window mass; later windows keep their observation mass.
-    Cumulative at decode. ``alpha``: EMA factor over the observation rows; ``kernel``: the (smallest)
-    average-pooling kernel; ``scale``: positions per kernel step of the token pool's adaptive pooling."""
+    Cumulative at decode. ``alpha``: EMA factor over the observation rows; ``avg_pool_width``: the (smallest)
+    average-pooling width; ``scale``: positions per width step of the token pool's adaptive pooling."""
 
     alpha: float = 0.3
-    kernel: int = 5
+    avg_pool_width: int = 5
     scale: float = 200.0
     name: ClassVar[str] = "restkv"
 
@@ -279,7 +279,7 @@ class RestKVRanking(Ranking):
             q, k, lengths, column_mass, sink, window, num_windows, sliding_window
         )
         tok = restkv_scores(
-            q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None, self.kernel
+            q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None, self.avg_pool_width
         ).mean(1)
         rest_w = window_sums(tok, sink, window, num_windows)
         win_end = sink + (jnp.arange(num_windows) + 1) * window
@@ -301,7 +301,7 @@ class RestKVRanking(Ranking):
             self.alpha,
             ctx.cfg.sliding_window,
             caps.pool_per_head,
-            self.kernel,
+            self.avg_pool_width,
             self.scale,
         )
 
@@ -407,7 +407,7 @@ RANKINGS: dict[str, type[Ranking]] = {
 
 
 def make_ranking(name: str, **params) -> Ranking:
-    """The ranking ``name`` with those of ``params`` (n_obs, pool, spill, decay, p, alpha) that it has."""
+    """The ranking ``name`` with those of ``params`` (n_obs, max_pool_width, spill, decay, p, alpha) that it has."""
     if name not in RANKINGS:
         raise ValueError(f"unknown ranking {name!r}; available: {', '.join(RANKINGS)}")
     cls = RANKINGS[name]
@@ -430,13 +430,13 @@ def prompt_windows(x: jax.Array, sink: int, window: int, num_windows: int) -> ja
 @dataclasses.dataclass(frozen=True)
 class SnapKVRanking(ScoreDynamics):
     """SnapKV's scores (``snapkv_scores``): the observation window's attention to the prefix, average-pooled
-    (``kernel``), group mean per KV head. Token pool only (SnapKV, PyramidKV, Ada-KV)."""
+    (``avg_pool_width``), group mean per KV head. Token pool only (SnapKV, PyramidKV, Ada-KV)."""
 
     n_obs: int = 32
-    kernel: int = 5
+    avg_pool_width: int = 5
 
     def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        return snapkv_scores(q, k, end, self.n_obs, self.kernel, ctx.cfg.sliding_window)
+        return snapkv_scores(q, k, end, self.n_obs, self.avg_pool_width, ctx.cfg.sliding_window)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The window engine (QEvict, R1-R4, StreamingLLM, KIVI): prefill compression into the F and Q tiers and
-decode attention over sink | F | Q | ring (DESIGN §5-§6); routing between the tiers is ``qevict_jax.routing``.
+decode attention over sink | F | Q | ring (docs/design.md §6-§7); routing between the tiers is ``qevict_jax.routing``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def prefill_layer(
     ranking: Ranking,
     config: CacheConfig,
 ) -> tuple[jax.Array, TieredCache]:
-    """Prompt attention for one layer and routing of the prompt's KV into the tiers (DESIGN §5).
+    """Prompt attention for one layer and routing of the prompt's KV into the tiers (docs/design.md §6).
 
     q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows right-padded (row b: positions < cache.length[b]).
     Returns (out [B, T, H, D], cache). The ranking scores every prompt window, and the windows ending at

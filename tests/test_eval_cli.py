@@ -80,7 +80,7 @@ def test_ruler_sweep_with_injected_generate(tmp_path, model, capsys):
     table = capsys.readouterr().out
     assert "| niah_single_1 | qevict | 0.1 | 4 | 100.0 | 0.100 |" in table
     assert "| average |" in table
-    for name in ("results.jsonl", "summary.md", "summary.csv", "pareto.png", "sweep.json"):
+    for name in ("results.jsonl", "summary.md", "summary.csv", "summary.png", "sweep.json"):
         assert (out / name).is_file()
 
 

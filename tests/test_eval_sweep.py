@@ -13,12 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from qevict_jax.eval.plots import write_summary
+from qevict_jax.eval.plots import (
+    bar_cells,
+    frontier_points,
+    sweep_figure,
+    sweep_plot,
+    wilson_interval,
+    write_summary,
+)
 from qevict_jax.eval.sweep import (
     Job,
     check_config,
     expand_jobs,
     lock_sweep,
+    paired_markdown,
+    paired_rows,
     read_results,
     record_key,
     run_sweep,
@@ -193,7 +202,7 @@ def test_write_summary_files(tmp_path):
     first = csv_rows[0]
     assert (first["task"], first["method"], first["budget"], first["length"]) == ("t1", "full", "", "1000")
     assert float(first["score"]) == 75.0
-    png = (tmp_path / "pareto.png").read_bytes()
+    png = (tmp_path / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
@@ -201,9 +210,7 @@ def test_plot_does_not_touch_the_global_backend(tmp_path):
     import matplotlib
 
     before = matplotlib.get_backend()
-    from qevict_jax.eval.plots import frontier_points, pareto_plot
-
-    pareto_plot(_records(), tmp_path / "p.png")
+    sweep_plot(_records(), tmp_path / "p.png")
     assert matplotlib.get_backend() == before
     pts = frontier_points(_records(), length=1000)
     # per task first, then over tasks: h2o = mean(25, 0) at memory mean(0.21, 0.2)
@@ -250,3 +257,79 @@ def test_a_second_writer_of_a_sweep_folder_stops_at_once_naming_the_first(tmp_pa
         holder.communicate("")
     lock_sweep(tmp_path)  # released with its holder
     lock_sweep(tmp_path)  # re-entrant
+
+
+def test_wilson_interval_hand_checked():
+    # p = 0.5, n = 20: centre 0.5, half-width 1.96 * sqrt(0.0125 + 0.0024010) / 1.19208 = 0.20070
+    lo, hi = wilson_interval(mean=0.5, n=20)
+    assert (lo, hi) == (pytest.approx(0.29930, abs=1e-4), pytest.approx(0.70070, abs=1e-4))
+    # nothing right out of 10: [0, z^2/n / (1 + z^2/n)] = [0, 0.38416 / 1.38416]
+    assert wilson_interval(mean=0.0, n=10) == (0.0, pytest.approx(0.27754, abs=1e-4))
+    lo, hi = wilson_interval(mean=1.0, n=10)
+    assert hi == 1.0 and lo == pytest.approx(1 - 0.27754, abs=1e-4)
+    with pytest.raises(ValueError, match="at least one sample"):
+        wilson_interval(mean=0.5, n=0)
+
+
+def _bar_records() -> list[dict]:
+    """Two tasks, Full-KV and two methods at one budget, 4 samples each."""
+    scores = {("t1", "full"): [100, 100, 100, 0], ("t1", "a"): [0, 100, 0, 0], ("t1", "b"): [100] * 4,
+              ("t2", "full"): [100] * 4, ("t2", "a"): [0] * 4, ("t2", "b"): [100, 0, 100, 0]}  # fmt: skip
+    return [
+        {"task": t, "method": m, "budget": None if m == "full" else 0.2, "length": 1000, "score": float(v),
+         "memory_ratio": 1.0 if m == "full" else 0.2}  # fmt: skip
+        for (t, m), vs in scores.items()
+        for v in vs
+    ]
+
+
+def test_one_budget_draws_labelled_bars_with_intervals_and_several_a_frontier():
+    cells = bar_cells(_bar_records(), 1000)
+    assert cells["t1"] == {"full": (75.0, 4), "a": (25.0, 4), "b": (100.0, 4)}
+    assert cells["mean"] == {"full": (87.5, 8), "a": (12.5, 8), "b": (75.0, 8)}  # mean of task means
+    fig = sweep_figure(_bar_records())
+    (ax,) = fig.axes
+    bars = [p for p in ax.patches if p.get_width() > 0]
+    # one bar per (task incl. mean, method), Full-KV a line, not a bar
+    # t1: a 25, b 100; t2: a 0 (no width), b 50; mean: a 12.5, b 75
+    assert sorted(b.get_width() for b in bars) == [12.5, 25.0, 50.0, 75.0, 100.0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["a", "b", "t1", "a", "b", "t2", "a", "b", "mean"]  # ticks in order of position  # methods named on the plot, per group
+    assert {t.get_text() for t in ax.texts} >= {"25 (n=4)", "12.5 (n=8)"}
+    assert ax.get_legend().get_texts()[0].get_text() == "Full-KV"
+    # the error bar of method a on t1 spans its Wilson interval: 25% of 4 -> [4.6%, 69.9%]
+    lo, hi = wilson_interval(mean=0.25, n=4)
+    segments = [s for c in ax.collections for s in getattr(c, "get_segments", lambda: [])()]
+    spans = {(round(float(s[0][0]), 3), round(float(s[1][0]), 3)) for s in segments if len(s) == 2}
+    assert (round(100 * lo, 3), round(100 * hi, 3)) in spans
+    several = [{**r, "budget": 0.1, "memory_ratio": 0.1} for r in _bar_records() if r["method"] != "full"]
+    frontier = sweep_figure(_bar_records() + several)
+    assert not [p for p in frontier.axes[0].patches if p.get_width() > 0]  # points and lines, no bars
+    assert {t.get_text() for t in frontier.axes[0].texts} >= {"a", "b"}  # each frontier named
+    assert frontier_points(_bar_records() + several, 1000)["a"] == [(0.1, 12.5), (0.2, 12.5)]
+
+
+def test_paired_rows_count_wins_on_shared_samples_only():
+    def rec(method, budget, sample, score, task="t1", length=1000):
+        return {"task": task, "method": method, "budget": budget, "length": length, "sample": sample, "score": score}
+
+    records = [
+        rec("a", 0.2, 0, 100.0), rec("b", 0.2, 0, 0.0),  # a wins
+        rec("a", 0.2, 1, 50.0), rec("b", 0.2, 1, 75.0),  # b wins (partial credit)
+        rec("a", 0.2, 2, 100.0), rec("b", 0.2, 2, 100.0),  # tie
+        rec("a", 0.2, 3, 100.0),  # b never ran sample 3: not a pair
+        rec("a", 0.1, 0, 0.0), rec("b", 0.1, 0, 0.0),
+        rec("full", None, 0, 100.0), rec("full", None, 1, 100.0),
+    ]  # fmt: skip
+    rows = {(r["length"], r["budget"]): r for r in paired_rows(records, a="a", b="b")}
+    r = rows[(1000, 0.2)]
+    assert (r["n"], r["a wins"], r["b wins"], r["ties"]) == (3, 1, 1, 1)
+    assert r["a"] == pytest.approx(250 / 3) and r["mean gap"] == pytest.approx((100 - 25 + 0) / 3)
+    assert rows[("all", "all")]["n"] == 4
+    # Full-KV has no budget: it pairs with the other method at each of its budgets
+    full = {(r["length"], r["budget"]): r for r in paired_rows(records, a="a", b="full")}
+    assert full[(1000, 0.2)]["n"] == 2 and full[(1000, 0.2)]["full wins"] == 1
+    assert full[(1000, 0.1)]["n"] == 1 and full[(1000, 0.1)]["full wins"] == 1
+    with pytest.raises(ValueError, match="share no sample"):
+        paired_rows(records, a="a", b="nobody")
+    assert paired_markdown(paired_rows(records, a="a", b="b")).splitlines()[0].startswith("| length | budget | n |")

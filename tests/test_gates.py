@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny import roomy_method
+from tiny import decisive_model, roomy_method
 
 from models.attention import chunked_attention, dense_attention
 from models.config import ModelConfig
-from models.model import Transformer
 from qevict_jax import gates as gt
 from qevict_jax import train_gates as tg
 from qevict_jax.cli import build_parser, run_train_gates
@@ -32,9 +31,7 @@ TCFG = tg.TrainConfig(steps=30, batch=2, seq_len=32, memory=8.0, lr=1e-2, warmup
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = Transformer(CFG, rngs=nnx.Rngs(3))
-    state = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
+    model = decisive_model(CFG)
     ids = np.random.RandomState(0).randint(0, CFG.vocab_size, 4000).astype(np.int32)
     return model, ids
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import roomy_method
+from tiny import decisive_model, roomy_method
 
 from models.config import ModelConfig
 from models.model import Transformer
@@ -30,14 +30,7 @@ TINY = ModelConfig(
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    from flax import nnx
-
-    # larger init than the default so greedy choices are not near-ties
-    m = Transformer(TINY, rngs=nnx.Rngs(3))
-    state = nnx.state(m, nnx.Param)
-    scaled = jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state)
-    nnx.update(m, scaled)
-    return m
+    return decisive_model(TINY)
 
 
 def greedy_uncached(model: Transformer, prompt: list[int], n: int) -> list[int]:

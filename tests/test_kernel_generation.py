@@ -22,8 +22,8 @@ def test_smollm2_generation_with_forced_kernel_matches_reference(smollm2_dir):
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))[:700]
     # small recent region and Ω = 4 so that F, Q and routing are all exercised during the 12 steps
     opts = dict(recent=32, omega=4)
-    ref_method = make_method("qevict", 0.3, kernel=False, **opts)
-    ker_method = make_method("qevict", 0.3, kernel=True, **opts)
+    ref_method = make_method("qevict", 0.3, pallas=False, **opts)
+    ker_method = make_method("qevict", 0.3, pallas=True, **opts)
     sampler = SamplerConfig(max_new_tokens=12)
     f32 = jnp.float32  # the algorithms' parity, at the precision the jnp reference computes in
     ref = generate(model, [ids], sampler, ref_method, kv_dtype=f32)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import roomy_method
+from tiny import decisive_model, roomy_method
 
 from qevict_jax import generate as gen
 from qevict_jax.cache import TieredCache
@@ -105,19 +105,15 @@ def test_every_method_on_smollm2(smol, name):
 def test_every_method_with_room_for_everything_equals_full_kv(name):
     """With a budget that holds the whole sequence, no method may change the model's predictions: the
     teacher-forced log-probabilities equal Full-KV's (KIVI quantizes regardless of budget: excluded)."""
-    from flax import nnx
 
     from models.config import ModelConfig
-    from models.model import Transformer
     from qevict_jax.generate import teacher_forced
 
     cfg = ModelConfig(
         family="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,
         num_kv_heads=2, head_dim=8, max_position_embeddings=2048,
     )  # fmt: skip
-    model = Transformer(cfg, rngs=nnx.Rngs(3))
-    state = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
+    model = decisive_model(cfg)
     rs = np.random.RandomState(0)
     prompt = list(rs.randint(0, cfg.vocab_size, 300))
     targets = rs.randint(0, cfg.vocab_size, (1, 6))

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from tiny import roomy_method
+from tiny import decisive_model, roomy_method
 
 from models.config import ModelConfig
 from models.model import Transformer
@@ -32,10 +30,7 @@ F32 = jnp.float32
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    m = Transformer(TINY, rngs=nnx.Rngs(3))
-    state = nnx.state(m, nnx.Param)
-    nnx.update(m, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
-    return m
+    return decisive_model(TINY)
 
 
 @pytest.mark.parametrize("name", ["full", "qevict", "r2", "h2o", "streamingllm"])
@@ -106,7 +101,7 @@ def _sample_value(method, option: str):
         return "cumulative-all"
     if option == "gates":  # a gate checkpoint folder (read when the method runs, not when it is built)
         return "some/gates"
-    if option == "kernel" and current is None:
+    if option == "pallas" and current is None:
         return False
     if option == "q_frac" and method.cache.window % 4:
         return None  # R1 (W = 1) cannot hold INT2 windows: no other legal value
@@ -148,7 +143,7 @@ def test_every_option_reaches_the_method_by_both_paths(name):
 
 def test_n_obs_reaches_the_ranking_and_the_policy():
     assert make_method("qevict", 0.2, n_obs=64).ranking.n_obs == 64
-    assert make_method("qevict", 0.2, pool=5).ranking.pool == 5
+    assert make_method("qevict", 0.2, max_pool_width=5).ranking.max_pool_width == 5
     assert make_method("snapkv", 0.2, n_obs=64).n_obs == 64
     assert make_method("snapkv", 0.2, n_obs=64).cache == make_method("snapkv", 0.2).cache
     with pytest.raises(ValueError, match="has no option 'n_obs'"):
@@ -172,3 +167,31 @@ def test_benchmark_recent_region_reaches_methods_that_protect_one():
     explicit = resolve_methods(["qevict"], [0.2], scoped_options={None: {"recent": 128}}, recent=64)
     assert method_option(explicit[("qevict", 0.2)], "recent") == 128
     assert dataclasses.is_dataclass(methods[("full", None)])
+
+
+@pytest.mark.parametrize(
+    ("method", "old", "new"),
+    [
+        ("qevict", "kernel", "'pallas'"),
+        ("snapkv", "kernel", "'avg_pool_width'"),
+        ("qevict", "pool", "'max_pool_width'"),
+    ],
+)
+def test_a_renamed_option_names_its_replacement(method, old, new):
+    with pytest.raises(ValueError, match=f"option '{old}' was renamed: use .*{new}"):
+        make_method(method, 0.2, **{old: 5})
+
+
+def test_one_name_per_option_across_methods():
+    """No option means two things: an option name shared by methods is the same field of the same kind."""
+    kinds: dict[str, set[str]] = {}
+    for name in available_methods():
+        method = default_method(name)
+        for option in method.options:
+            value = method_option(method, option)
+            kinds.setdefault(option, set()).add(type(value).__name__ if value is not None else "None")
+    assert "kernel" not in kinds and "pool" not in kinds
+    assert kinds["max_pool_width"] == kinds["avg_pool_width"] == {"int"} and kinds["pallas"] <= {
+        "bool",
+        "None",
+    }

@@ -41,7 +41,7 @@ def _inv_freq(d: int) -> np.ndarray:
 
 
 def _ledger_inputs(rng, b, hkv, g, d, nl, w, bits, q_dtype, masked_row):
-    """Random ledger arguments (as a dict of numpy arrays) in the layout of DESIGN §4."""
+    """Random ledger arguments (as a dict of numpy arrays) in the layout of docs/design.md §5."""
     per, levels = 8 // bits, (1 << bits) - 1
     valid = rng.random((b, nl)) < 0.7
     valid[0, 0] = True

@@ -52,6 +52,14 @@ def test_generate_is_the_low_level_generate(pipe):
     assert reply.compressed is False and reply.method == "qevict" and reply.prompt_tokens == len(ids)
 
 
+def test_a_streamed_reply_writes_the_text_it_returns(pipe):
+    pieces: list[str] = []
+    reply = pipe.generate("Name a colour.", method="qevict:0.2", max_new_tokens=12, stream=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == reply.text  # piece by piece, and nothing lost
+    plain = pipe.generate("Name a colour.", method="qevict:0.2", max_new_tokens=12)
+    assert plain.result.tokens == reply.result.tokens
+
+
 def test_a_conversation_appends_each_turn_as_the_template_renders_the_transcript(pipe):
     """Turn 2 is appended to turn 1's cache; the tokens in the cache are exactly the chat template's
     rendering of the transcript, and the answer is what Full-KV generates from that rendering in one go."""

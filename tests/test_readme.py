@@ -49,3 +49,18 @@ def test_python_blocks_run():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "PYTHON-BLOCKS-OK" in proc.stdout
+
+
+def test_every_design_reference_in_the_code_names_a_section_of_docs_design():
+    sections = set(re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "design.md").read_text(), re.M))
+    refs = []
+    for pkg in ("qevict_jax", "pallas_kernels", "models", "tests", "bench"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            text = path.read_text()
+            outside = "DESIGN" + " §"  # spelled so that this file does not match itself
+            assert outside not in text, f"{path}: a reference to a design document outside the repo"
+            for ref in re.findall(r"docs/design\.md (§[\d§\- ,]+)", text):
+                refs.append((path.name, ref))
+                for n in re.findall(r"\d+", ref):
+                    assert n in sections, f"{path}: docs/design.md §{n} does not exist"
+    assert len(refs) >= 10  # the docstrings do point into it

@@ -1,4 +1,4 @@
-"""Observation-window initialization of the window scores (DESIGN §5) against a float64 numpy reference; the
+"""Observation-window initialization of the window scores (docs/design.md §6) against a float64 numpy reference; the
 ranking interface both engines share."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def np_windows(x: np.ndarray) -> np.ndarray:
 def test_observation_window_scores_match_float64_reference(kind, n_obs, pool, key_block, monkeypatch):
     monkeypatch.setattr(attention_scores, "OBS_KEY_BLOCK", key_block)
     q, k = _inputs(1)
-    ranking = make_ranking(kind, decay=0.9, p=3.0, n_obs=n_obs, pool=pool)
+    ranking = make_ranking(kind, decay=0.9, p=3.0, n_obs=n_obs, max_pool_width=pool)
     got = np.asarray(
         ranking.prefill_window_scores(
             jnp.asarray(q, jnp.float32),
@@ -174,7 +174,12 @@ def test_tova_keeps_the_current_query_for_every_head_and_replaces_scores():
         ("h2o", {}, CumulativeAllRanking(), Allocation()),
         ("tova", {}, TOVARanking(), Allocation()),
         ("keynorm", {}, KeyNormRanking(), Allocation()),
-        ("snapkv", {"n_obs": 48, "kernel": 7}, SnapKVRanking(n_obs=48, kernel=7), Allocation()),
+        (
+            "snapkv",
+            {"n_obs": 48, "avg_pool_width": 7},
+            SnapKVRanking(n_obs=48, avg_pool_width=7),
+            Allocation(),
+        ),
         ("pyramidkv", {"beta": 10.0}, SnapKVRanking(), Allocation(pyramid_beta=10.0)),
         ("adakv", {}, SnapKVRanking(), Allocation(adaptive=True, safeguard=0.2)),
         (
@@ -183,7 +188,12 @@ def test_tova_keeps_the_current_query_for_every_head_and_replaces_scores():
             CriticalKVRanking(first_stage_ratio=0.5, epsilon=0.01),
             Allocation(),
         ),
-        ("restkv", {"kernel": 9, "scale": 100.0}, RestKVRanking(kernel=9, scale=100.0), Allocation()),
+        (
+            "restkv",
+            {"avg_pool_width": 9, "scale": 100.0},
+            RestKVRanking(avg_pool_width=9, scale=100.0),
+            Allocation(),
+        ),
         ("gates-global", {"gates": "g"}, GateRanking(), Allocation(adaptive=True, safeguard=0.0)),
     ],
 )

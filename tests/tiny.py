@@ -8,9 +8,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from models.config import ModelConfig
+from models.model import Transformer
 from qevict_jax.kv import full_kv_bytes
 from qevict_jax.methods import make_method
 
@@ -30,6 +33,15 @@ def tiny_llama(max_positions: int) -> ModelConfig:
         head_dim=8,
         max_position_embeddings=max_positions,
     )
+
+
+def decisive_model(cfg: ModelConfig, seed: int = 3) -> Transformer:
+    """A random model of ``cfg`` with its matrices scaled by 4 over the default init, so that greedy choices
+    are not near-ties (token-equality tests then compare decisions, not float noise)."""
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
+    return model
 
 
 def load_bench(name: str) -> ModuleType:

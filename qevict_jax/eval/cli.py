@@ -2,7 +2,7 @@
 
 Each writes into ``--out``: results.jsonl (one record per finished sample, appended at once; a rerun skips
 what is there), sweep.json (the configuration; a rerun with another one is refused), summary.md, summary.csv
-and pareto.png; the Markdown table is printed at the end.
+and summary.png; the Markdown table is printed at the end.
 """
 
 from __future__ import annotations
@@ -25,7 +25,15 @@ from qevict_jax.eval.harness import (
     resolve_methods,
 )
 from qevict_jax.eval.plots import write_summary
-from qevict_jax.eval.sweep import check_config, expand_jobs, lock_sweep, merge_results, run_sweep
+from qevict_jax.eval.sweep import (
+    check_config,
+    expand_jobs,
+    lock_sweep,
+    merge_results,
+    paired_markdown,
+    paired_rows,
+    run_sweep,
+)
 from qevict_jax.methods import parse_set_options
 from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
 
@@ -147,7 +155,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         nargs="+",
         help="result folders, each FOLDER or FOLDER:LABEL (LABEL is added to method names)",
     )
-    rep.add_argument("--out", type=Path, required=True, help="where summary.md/csv and pareto.png go")
+    rep.add_argument("--out", type=Path, required=True, help="where summary.md/csv/png go")
+
+    pair = sub.add_parser("paired", help="paired wins/losses of two methods on the samples both ran")
+    pair.add_argument("sources", nargs="+", help="result folders, each FOLDER or FOLDER:LABEL (as in report)")
+    pair.add_argument("--a", required=True, help="method name as in the records (with its label, if any)")
+    pair.add_argument("--b", required=True, help="the other method")
     return p
 
 
@@ -155,6 +168,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Load the model and tokenizer named by ``--model``, then run the sweep (``report``: merge sweeps)."""
     if args.eval_task == "report":
         return cmd_report(args)
+    if args.eval_task == "paired":
+        return cmd_paired(args)
     precheck(args)
     lock_sweep(args.out)  # one writer per sweep folder, taken before the model loads
     cfg, model, tok = load(args)
@@ -162,15 +177,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sources(items: Sequence[str]) -> list[tuple[str, str]]:
+    """FOLDER or FOLDER:LABEL items -> (folder, label)."""
+    return [(src.rsplit(":", 1)[0], src.rsplit(":", 1)[1]) if ":" in src else (src, "") for src in items]
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """``qevict eval report A B:label --out DIR``: the records of several sweeps in one table and plot."""
-    sources = [
-        (src.rsplit(":", 1)[0], src.rsplit(":", 1)[1]) if ":" in src else (src, "") for src in args.sources
-    ]
-    records = merge_results(sources)
+    records = merge_results(_sources(args.sources))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    print(write_summary(records, args.out))
-    print(f"plot: {Path(args.out) / 'pareto.png'}", file=sys.stderr)
+    fidelity = any("kl" in r for r in records)  # top-1 agreement is not a per-sample success: no intervals
+    print(write_summary(records, args.out, ("kl", "ppl_change") if fidelity else (), intervals=not fidelity))
+    print(f"plot: {Path(args.out) / 'summary.png'}", file=sys.stderr)
+    return 0
+
+
+def cmd_paired(args: argparse.Namespace) -> int:
+    """``qevict eval paired A B:label --a M1 --b M2``: paired wins and losses of M1 and M2 per length and
+    budget, from the records of one or several sweeps."""
+    print(paired_markdown(paired_rows(merge_results(_sources(args.sources)), a=args.a, b=args.b)))
     return 0
 
 
@@ -237,9 +262,9 @@ def run_eval(
     records = run_sweep(
         jobs, harness, Path(args.out) / "results.jsonl", progress=not args.no_progress, desc=kind
     )
-    table = write_summary(records, args.out, extra, score_name)
+    table = write_summary(records, args.out, extra, score_name, intervals=kind != "fidelity")
     print(table)
-    log(f"results: {Path(args.out) / 'results.jsonl'}; plot: {Path(args.out) / 'pareto.png'}")
+    log(f"results: {Path(args.out) / 'results.jsonl'}; plot: {Path(args.out) / 'summary.png'}")
     return records
 
 

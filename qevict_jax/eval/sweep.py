@@ -219,6 +219,60 @@ def merge_results(sources: Sequence[tuple[str | Path, str]]) -> list[dict]:
     return merged
 
 
+def paired_rows(records: Sequence[Mapping[str, Any]], *, a: str, b: str) -> list[dict[str, Any]]:
+    """Methods ``a`` and ``b`` on the samples both ran: per (length, budget) and then over every pair, the
+    number of pairs n, each method's mean score, a's wins, b's wins, ties and the mean gap (a - b).
+
+    A sample is (task, length, sample index) at a budget; a method without a budget (Full-KV) pairs with
+    the other at each of its budgets. Raises when the two share no sample.
+    """
+    by_method: dict[str, dict[tuple, float]] = {a: {}, b: {}}
+    for r in records:
+        if r["method"] in by_method:
+            by_method[r["method"]][(r["task"], r["length"], r["sample"], r["budget"])] = float(r["score"])
+    budgets = sorted({key[3] for m in (a, b) for key in by_method[m] if key[3] is not None}) or [None]
+    groups: dict[tuple, list[tuple[float, float]]] = {}
+    for (task, length, sample, budget), score_a in by_method[a].items():
+        for bud in [budget] if budget is not None else budgets:
+            score_b = by_method[b].get(
+                (task, length, sample, bud), by_method[b].get((task, length, sample, None))
+            )
+            if score_b is not None:
+                groups.setdefault((length, bud), []).append((score_a, score_b))
+    if not groups:
+        raise ValueError(f"{a!r} and {b!r} share no sample (same task, length, sample index and budget)")
+    everything = [pair for key in sorted(groups, key=str) for pair in groups[key]]
+    rows = []
+    for (length, budget), pairs in [*sorted(groups.items(), key=str), (("all", "all"), everything)]:
+        n = len(pairs)
+        rows.append(
+            {
+                "length": length,
+                "budget": budget,
+                "n": n,
+                a: sum(x for x, _ in pairs) / n,
+                b: sum(y for _, y in pairs) / n,
+                f"{a} wins": sum(x > y for x, y in pairs),
+                f"{b} wins": sum(y > x for x, y in pairs),
+                "ties": sum(x == y for x, y in pairs),
+                "mean gap": sum(x - y for x, y in pairs) / n,
+            }
+        )
+    return rows
+
+
+def paired_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``paired_rows`` as a Markdown table."""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [
+            _budget(r[c]) if c == "budget" and not isinstance(r[c], str) else _fmt(r[c], 1) for c in cols
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # summary
 
