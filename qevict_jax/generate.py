@@ -34,7 +34,7 @@ from qevict_jax.prefill import (
 )
 from qevict_jax.results import GenerationResult, TeacherForcedResult
 from qevict_jax.sampling import SamplerConfig
-from qevict_jax.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state
+from qevict_jax.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state, to_host
 
 
 def generate(
@@ -277,9 +277,9 @@ def _continue(
         sampler,
         mesh,
     )
-    out = np.asarray(out)
+    out = to_host(out)  # every process gets every row (a collective across the processes of a mesh)
     t2 = time.perf_counter()
-    counts, steps = np.asarray(counts), int(steps)
+    counts, steps = to_host(counts), int(to_host(steps))
     final_tokens = int(sum(positions[i] + counts[i] - 1 for i in range(len(prompts))))
     return GenerationResult(
         tokens=[out[i, : counts[i]].tolist() for i in range(len(prompts))],

@@ -1,4 +1,5 @@
-"""Helpers shared by test modules: the tiny random Llama shape several tests run on, and loading a
+"""Helpers shared by test modules: the tiny random Llama shape several tests run on (and a random model of
+it), and loading a
 ``bench/`` script as a module (benchmarks are scripts, not part of the package)."""
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from models.config import ModelConfig
+from models.model import Transformer
 from qevict_jax.kv import full_kv_bytes
 from qevict_jax.methods import make_method
 
@@ -46,3 +50,12 @@ def roomy_method(name: str, model_cfg: ModelConfig, tokens: int, **options: Any)
     if name == "full":
         return make_method(name, **options)
     return make_method(name, budget_bytes=4 * full_kv_bytes(model_cfg, tokens, jnp.float32), **options)
+
+
+def sharp_tiny_model(cfg: ModelConfig, seed: int = 3) -> Transformer:
+    """A random model of shape ``cfg`` with its weight matrices scaled by 4 from the default init, so that
+    greedy choices are not near-ties (the same weights on every process that builds it with this seed)."""
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
+    return model
