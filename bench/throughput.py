@@ -29,11 +29,21 @@ one call stays under 8 minutes.
 ``--prefill-memory``: only the prefill memory columns, from the compiled programs (compiled, not run), so
 that long contexts cost compile time only; SnapKV (β = 0.2, a token-pool baseline) is measured too.
 
+``--mesh 1x2,2x1,2x2``: sharded generation (``generate(..., mesh=...)``, "data" x "model") on each mesh:
+decode tokens/s in all and per device, and the bytes one device moves through collectives per decode step,
+read from the compiled decode loop that ran (``compiled.decode_step_collective_bytes``: a step without a
+routing event, and one with), for Full-KV and QEvict at β = 0.2. Fake CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4``) share the machine's cores, so their tokens/s say
+little; the collective bytes are those of the program a real mesh would run. On the CPU the model is random
+f32 weights in Qwen2.5-0.5B shapes (2 KV heads, 14 heads: split by a "model" axis of 2), default context 1024,
+batch 2 (divisible by a "data" axis of 2); ``--gpu`` keeps its Llama-3.1-8B shapes.
+
 Usage:
   python bench/throughput.py [--contexts 2048] [--batches 1,4] [--new-tokens 16]
   python bench/throughput.py --prefill-memory --contexts 2048,4096,8192 --batches 1,4
   python bench/throughput.py --contexts 2048 --cache-memory 200000000 --max-batch 32
   python bench/throughput.py --gpu
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python bench/throughput.py --mesh 1x2,2x1,2x2
 """
 
 from __future__ import annotations
@@ -54,12 +64,13 @@ from models.checkpoint import load_model
 from models.config import ModelConfig
 from models.model import Transformer, uncached_attend
 from models.registry import resolve_model
-from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length
+from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length, decode_step_collective_bytes
 from qevict_jax.generate import GenerationResult, generate, lower_prefill
 from qevict_jax.kv import KVMethod
 from qevict_jax.methods import make_method
 from qevict_jax.model_args import add_model_arg
 from qevict_jax.sampling import SamplerConfig
+from qevict_jax.sharding import make_mesh
 
 LLAMA31_8B = ModelConfig(
     family="llama",
@@ -74,6 +85,23 @@ LLAMA31_8B = ModelConfig(
     rms_norm_eps=1e-5,
     rope_llama3=(8.0, 1.0, 4.0, 8192),
     max_position_embeddings=131072,
+)
+
+
+QWEN25_05B = ModelConfig(
+    family="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    attention_bias=True,
+    max_position_embeddings=32768,
 )
 
 
@@ -274,6 +302,64 @@ def prefill_memory(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_sta
         release()
 
 
+def parse_meshes(text: str) -> list[tuple[int, int]]:
+    """``--mesh 1x2,2x1`` -> [(1, 2), (2, 1)] (data, model)."""
+    try:
+        return [tuple(int(x) for x in m.lower().split("x")) for m in text.split(",") if m.strip()]
+    except ValueError:
+        raise ValueError(f"--mesh takes DATAxMODEL[,DATAxMODEL...], got {text!r}") from None
+
+
+def measure_sharded(model, prompts, sampler, method, kv_dtype, mesh_shape: tuple[int, int]) -> dict[str, Any]:
+    """One generation on a ``mesh_shape`` mesh: decode tokens/s (all, per device), memory ratio and the
+    collective bytes per decode step of its compiled decode loop (see module doc)."""
+    mesh = make_mesh(*mesh_shape)
+    res = generate(model, prompts, sampler, method, kv_dtype=kv_dtype, mesh=mesh)
+    collective = decode_step_collective_bytes(EXECUTABLES.latest("_decode").as_text())
+    row = {
+        "devices": mesh.size,
+        "tok_s": res.decode_tokens_per_s,
+        "tok_s_per_device": res.decode_tokens_per_s / mesh.size,
+        "memory_ratio": res.memory_ratio,
+        "compressed": res.compressed,
+        "step_bytes": collective["step"],
+        "routing_step_bytes": collective["routing_step"],
+    }
+    del res
+    release()
+    return row
+
+
+def mesh_sweep(model, cfg, args, kv_dtype, t_start: float) -> None:
+    """``--mesh``: per context, batch and mesh, Full-KV and QEvict side by side (see module doc)."""
+    meshes = parse_meshes(args.mesh)
+    need = max(d * m for d, m in meshes)
+    if jax.device_count() < need:
+        sys.exit(
+            f"--mesh {args.mesh} needs {need} devices, {jax.device_count()} available (on a CPU: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need})"
+        )
+    sampler = SamplerConfig(max_new_tokens=args.new_tokens)
+    print(
+        "| context | batch | mesh | method | memory ratio | decode tok/s | tok/s per device "
+        "| collective bytes / step | with routing event | vs Full-KV |"
+    )
+    print("|" + "---|" * 10)
+    for _, batch, prompts in rows(cfg, args, t_start):
+        for mesh_shape in meshes:
+            ref = None
+            for label, method in methods()[:2]:  # Full-KV, QEvict β = 0.2 (β = 0.1 cannot compress 1K at R = 128)
+                r = measure_sharded(model, prompts, sampler, method, kv_dtype, mesh_shape)
+                ref = ref or r
+                versus = "-" if ref["routing_step_bytes"] == 0 else f"{r['routing_step_bytes'] / ref['routing_step_bytes']:.3f}"
+                print(
+                    f"| {len(prompts[0])} | {batch} | {mesh_shape[0]}x{mesh_shape[1]} | {label} "
+                    f"| {r['memory_ratio']:.3f} | {r['tok_s']:.1f} | {r['tok_s_per_device']:.1f} "
+                    f"| {r['step_bytes']} | {r['routing_step_bytes']} | {versus} |",
+                    flush=True,
+                )
+
+
 def fixed_memory(model, cfg, args, kv_dtype, param_bytes) -> None:
     """Largest batch per method within ``--cache-memory`` bytes of cache, and its aggregate tokens/s."""
     sampler = SamplerConfig(max_new_tokens=args.new_tokens)
@@ -318,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         "--prefill-memory", action="store_true", help="prefill memory columns only, from compiled programs"
     )
     ap.add_argument("--time-limit", type=float, default=None, help="seconds; stop starting new rows after it")
+    ap.add_argument("--mesh", default=None, help="DATAxMODEL[,...]: sharded tokens/s and collective bytes")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.gpu:
@@ -330,6 +417,13 @@ def main(argv: list[str] | None = None) -> None:
         model, cfg = random_llama31_8b(), LLAMA31_8B
         kv_dtype = compute_dtype = jnp.bfloat16
         name = "random bf16 weights in Llama-3.1-8B shapes, bf16 KV"
+    elif args.mesh:
+        args.contexts = args.contexts or "1024"
+        args.batches = args.batches or "2"
+        args.new_tokens = args.new_tokens or 16
+        model, cfg = Transformer(QWEN25_05B, rngs=nnx.Rngs(0)), QWEN25_05B
+        kv_dtype, compute_dtype = jnp.bfloat16, model.dtype
+        name = "random f32 weights in Qwen2.5-0.5B shapes, bf16 KV"
     else:
         args.contexts = args.contexts or "2048"
         args.batches = args.batches or "1,4"
@@ -341,7 +435,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{name}, {jax.default_backend()} ({jax.devices()[0].device_kind}), {args.new_tokens} new tokens, greedy"
     )
-    if args.cache_memory:
+    if args.mesh:
+        mesh_sweep(model, cfg, args, kv_dtype, t_start)
+    elif args.cache_memory:
         fixed_memory(model, cfg, args, kv_dtype, param_bytes)
     elif args.prefill_memory:
         prefill_memory(model, cfg, args, kv_dtype, compute_dtype, param_bytes, t_start)

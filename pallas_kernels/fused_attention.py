@@ -153,6 +153,42 @@ def _check_tiers(q, sink: DenseTier, fp: DenseTier, ledger: QuantTier, local: De
     jax.jit,
     static_argnames=("window", "fmt", "interpret", "block_slots", "num_splits", "num_warps", "poison"),
 )
+def fused_partials(
+    q: jax.Array,
+    sink: DenseTier,
+    fp: DenseTier,
+    ledger: QuantTier,
+    local: DenseTier,
+    inv_freq: jax.Array,
+    *,
+    window: int,
+    fmt: QuantFormat,
+    interpret: bool | None = None,
+    block_slots: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    poison: bool = False,
+) -> list[Partial]:
+    """The (sink, F, Q, local) partials of ``fused_attention`` (its arguments), one Pallas launch per tier,
+    before ``merge_tiers``: per (row, KV head), so they run per shard of a mesh as they are
+    (``qevict_jax.sharding.on_shards``)."""
+    _check_tiers(q, sink, fp, ledger, local)
+    opts = dict(interpret=interpret, poison=poison)
+    if num_warps is not None:
+        opts["num_warps"] = num_warps
+    split = dict(block_slots=block_slots, num_splits=num_splits)
+    return [
+        dense_slot_attention(q, sink, **opts),
+        dense_slot_attention(q, fp, **opts),
+        ledger_attention(q, ledger, inv_freq, window=window, fmt=fmt, **split, **opts),
+        dense_slot_attention(q, local, **opts),
+    ]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("window", "fmt", "interpret", "block_slots", "num_splits", "num_warps", "poison"),
+)
 def fused_attention(
     q: jax.Array,
     sink: DenseTier,
@@ -176,17 +212,9 @@ def fused_attention(
     [B, Hkv, NR, D] tokens. Same arguments as ``pallas_kernels.reference.tier_attention_reference``.
     ``block_slots`` / ``num_splits`` apply to the ledger kernel (dense tiers use their defaults);
     ``num_warps`` (default: each kernel's own) to every kernel.
-    Returns ``TierAttention`` (normalized output and head-mean masses per tier).
+    Returns ``TierAttention`` (normalized output and head-mean masses per tier): ``merge_tiers`` of
+    ``fused_partials``.
     """
-    _check_tiers(q, sink, fp, ledger, local)
-    opts = dict(interpret=interpret, poison=poison)
-    if num_warps is not None:
-        opts["num_warps"] = num_warps
-    split = dict(block_slots=block_slots, num_splits=num_splits)
-    tiers = [
-        dense_slot_attention(q, sink, **opts),
-        dense_slot_attention(q, fp, **opts),
-        ledger_attention(q, ledger, inv_freq, window=window, fmt=fmt, **split, **opts),
-        dense_slot_attention(q, local, **opts),
-    ]
-    return merge_tiers(tiers)
+    opts = dict(interpret=interpret, block_slots=block_slots, num_splits=num_splits, num_warps=num_warps)
+    parts = fused_partials(q, sink, fp, ledger, local, inv_freq, window=window, fmt=fmt, poison=poison, **opts)
+    return merge_tiers(parts)

@@ -226,6 +226,34 @@ def merge_tiers(tiers: Sequence[Partial]) -> TierAttention:
     return TierAttention(out, *masses)
 
 
+def tier_partials(
+    q: jax.Array,
+    sink: DenseTier,
+    fp: DenseTier,
+    ledger: QuantTier,
+    local: DenseTier,
+    inv_freq: jax.Array,
+    *,
+    window: int,
+    fmt: QuantFormat,
+    ledger_attention: LedgerAttention = ledger_partial,
+) -> list[Partial]:
+    """The (sink, F, Q, local) partials of one query per head q [B, Hkv, G, D] (post-RoPE, unscaled): what
+    ``merge_tiers`` combines. Every partial is per (row, KV head), so a shard of rows and KV heads computes
+    its own from its own tiers (``qevict_jax.sharding.on_shards``).
+
+    sink: [B, Hkv, S, D] tokens; fp: [B, Hkv, NF, W, D] slots (valid per slot, or per token with a sliding
+    window); ledger: the Q tier, whose partial ``ledger_attention`` computes (this reference by default, or a
+    kernel); local: [B, Hkv, NR, D] tokens.
+    """
+    return [
+        slot_partial(q, sink),
+        slot_partial(q, fp),
+        ledger_attention(q, ledger, inv_freq, window=window, fmt=fmt),
+        slot_partial(q, local),
+    ]
+
+
 def tier_attention_reference(
     q: jax.Array,
     sink: DenseTier,
@@ -239,16 +267,10 @@ def tier_attention_reference(
     ledger_attention: LedgerAttention = ledger_partial,
 ) -> TierAttention:
     """Decode attention of one query per head q [B, Hkv, G, D] (post-RoPE, unscaled) over ``sink | F | Q |
-    local``, the pure-jnp reference of ``pallas_kernels.fused_attention``.
-
-    sink: [B, Hkv, S, D] tokens; fp: [B, Hkv, NF, W, D] slots (valid per slot, or per token with a sliding
-    window); ledger: the Q tier, whose partial ``ledger_attention`` computes (this reference by default, or a
-    kernel); local: [B, Hkv, NR, D] tokens.
-    """
-    tiers = [
-        slot_partial(q, sink),
-        slot_partial(q, fp),
-        ledger_attention(q, ledger, inv_freq, window=window, fmt=fmt),
-        slot_partial(q, local),
-    ]
-    return merge_tiers(tiers)
+    local``, the pure-jnp reference of ``pallas_kernels.fused_attention``: ``merge_tiers`` of
+    ``tier_partials`` (same arguments)."""
+    return merge_tiers(
+        tier_partials(
+            q, sink, fp, ledger, local, inv_freq, window=window, fmt=fmt, ledger_attention=ledger_attention
+        )
+    )

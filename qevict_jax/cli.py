@@ -7,17 +7,20 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from models.convert import convert
 from models.tokenizer import token_index
 from qevict_jax.cache import SinkRingCache
 from qevict_jax.diagnostics.run import add_diagnose_parser, cmd_diagnose
+from qevict_jax.distributed import env_processes, initialize_from_env, is_main, launch, run_main
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
 from qevict_jax.generate import SamplerConfig, generate
 from qevict_jax.methods import available_methods, cache_stats, make_method, options_for, parse_set_options
 from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
 from qevict_jax.needle import needle_correct, needle_prompt_text, needle_sample
+from qevict_jax.sharding import make_mesh
 from qevict_jax.streaming import TextStream
 from qevict_jax.train_gates import TrainConfig, load_text, train
 
@@ -77,6 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream",
         action="store_true",
         help="print the answer as it is produced (a host callback per decoded token; off: none compiled in)",
+    )
+    p.add_argument(
+        "--mesh",
+        help="DATAxMODEL device mesh over every process's devices (default: 1 x all devices when there "
+        "are several processes, else no mesh); the batch (1 prompt) divides by DATA, the KV heads by MODEL",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run as this many local processes of one jax.distributed job (a local try of multi-host; on "
+        "separate hosts set QEVICT_COORDINATOR, QEVICT_NUM_PROCESSES, QEVICT_PROCESS_ID instead)",
+    )
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help="with --processes: fake CPU devices per process (XLA_FLAGS=--xla_force_host_platform_device_count)",
     )
 
     p = sub.add_parser(
@@ -143,14 +164,27 @@ def _encode_prompt(tok, context: str, question: str | None, chat: bool) -> tuple
     return ids, token_index(tok, text, text.index(user) + len(context))
 
 
-def cmd_generate(args) -> int:
+def _generate_mesh(spec: str | None):
+    """The mesh of ``--mesh DATAxMODEL``; by default 1 x every device of a multi-process job, else None."""
+    if spec is None:
+        return make_mesh(1, jax.device_count()) if jax.process_count() > 1 else None
+    try:
+        data, model = (int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh takes DATAxMODEL, e.g. 1x2, got {spec!r}") from None
+    return make_mesh(data, model)
 
+
+def cmd_generate(args) -> int:
+    initialize_from_env()  # a process of a multi-process job (environment variables), before JAX starts
     opts = options_for(args.method, parse_set_options(args.set))
     if args.pallas:
         opts["pallas"] = True
     method = make_method(args.method, args.budget, **opts)
     if args.kernel:
         raise ValueError("--kernel was renamed --pallas (force the Pallas decode-attention kernels)")
+    if args.stream and jax.process_count() > 1:
+        raise ValueError("--stream prints from one process; a multi-process job prints its answer at the end")
     if args.stream and args.json:
         raise ValueError("--stream prints text as it comes and --json one line at the end: choose one")
     if args.question_agnostic and not args.question:
@@ -169,8 +203,12 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         question_starts=starts,
         kv_dtype=kv_dtype(args),
+        mesh=_generate_mesh(args.mesh),
         on_token=stream,
     )
+    routing = _routing_stats(res.cache)  # every process takes part (a cache across processes is gathered)
+    if not is_main():  # only process 0 prints
+        return 0
     out = tok.decode(res.tokens[0])
     record = {
         "text": out,
@@ -185,7 +223,9 @@ def cmd_generate(args) -> int:
         "ttft_s": res.ttft_s,
         "compile_s": res.compile_s,
         "decode_tokens_per_s": res.decode_tokens_per_s,
-        **_routing_stats(res.cache),
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
+        **routing,
     }
     if args.json:
         print(json.dumps(record))
@@ -331,7 +371,12 @@ def cmd_train_gates(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if getattr(args, "processes", 1) > 1 and env_processes() is None:
+        # the launcher: the same command line in each local process (they see the QEVICT_* variables)
+        cmd = [sys.executable, "-m", "qevict_jax.cli", *argv]
+        return launch(cmd, processes=args.processes, devices_per_process=args.devices_per_process)
     handler = {
         "convert": cmd_convert,
         "generate": cmd_generate,
@@ -341,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         "diagnose": cmd_diagnose,
         "train-gates": cmd_train_gates,
     }
+    if env_processes() is not None:  # one process of a job: a failure ends it at once, named (run_main)
+        run_main(lambda: handler[args.command](args))
     try:
         return handler[args.command](args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:

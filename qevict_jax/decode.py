@@ -15,7 +15,7 @@ from models.model import Transformer
 from qevict_jax.kv import KVMethod
 from qevict_jax.prefill import prefill_logits
 from qevict_jax.sampling import SamplerConfig, sample
-from qevict_jax.sharding import Mesh, constrain_cache, constrain_rows
+from qevict_jax.sharding import Mesh, constrain_cache, constrain_rows, mesh_context
 from qevict_jax.streaming import emit_in_loop
 
 
@@ -78,7 +78,8 @@ def _decode(
         )
 
     start = DecodeState(step=jnp.int32(0), cache=constrain_cache(cache, mesh), tokens=out, done=done, rng=rng)
-    final = jax.lax.while_loop(more, step, start)
+    with mesh_context(mesh):  # the decode attention maps its kernels over the mesh's shards (``on_shards``)
+        final = jax.lax.while_loop(more, step, start)
     steps, cache, out = final.step, final.cache, final.tokens
     # a row's output ends at its first EOS (inclusive) or at the last step taken
     is_eos = jnp.isin(out, eos) & (jnp.arange(g) <= steps)

@@ -35,7 +35,7 @@ from qevict_jax.prefill import (
 )
 from qevict_jax.results import GenerationResult, TeacherForcedResult
 from qevict_jax.sampling import SamplerConfig
-from qevict_jax.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state
+from qevict_jax.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state, to_host
 from qevict_jax.streaming import TokenSink, open_stream
 
 
@@ -287,7 +287,7 @@ def _continue(
     first.block_until_ready()
     t1 = time.perf_counter()
     if on_token is not None:
-        on_token(np.asarray(first), np.ones(len(prompts), bool))
+        on_token(to_host(first), np.ones(len(prompts), bool))
     with open_stream(on_token) if on_token is not None else contextlib.nullcontext() as stream_id:
         (out, counts, steps, cache), compile_decode = EXECUTABLES.run(
             decode_jit,
@@ -303,9 +303,9 @@ def _continue(
             mesh,
             None if stream_id is None else place_replicated(stream_id, mesh),
         )
-        out = np.asarray(out)
+        out = to_host(out)  # every process gets every row (a collective across the processes of a mesh)
     t2 = time.perf_counter()
-    counts, steps = np.asarray(counts), int(steps)
+    counts, steps = to_host(counts), int(to_host(steps))
     final_tokens = int(sum(positions[i] + counts[i] - 1 for i in range(len(prompts))))
     return GenerationResult(
         tokens=[out[i, : counts[i]].tolist() for i in range(len(prompts))],

@@ -18,6 +18,7 @@ from qevict_jax.config import CacheConfig
 from qevict_jax.gate_methods import GATE_METHODS
 from qevict_jax.kv import FullKV, KVMethod
 from qevict_jax.qevict import VARIANTS, QEvict
+from qevict_jax.sharding import to_host
 
 
 def available_methods() -> list[str]:
@@ -99,11 +100,12 @@ def cache_stats(cache: SinkRingCache) -> dict[str, Any]:
     entries, summed over layers and rows. local_tokens: per row, tokens in the ring not yet routed (layer 0).
     """
     caps = cache.caps
-    per_row = lambda x: np.asarray(x).sum(axis=0).tolist()
-    length = np.asarray(cache.length[0])
-    routed_end = caps.sink + np.asarray(cache.next_win[0]) * caps.window
+    # to_host: a cache on a mesh across processes is gathered (every process calls cache_stats)
+    per_row = lambda x: to_host(x).sum(axis=0).tolist()
+    length = to_host(cache.length)[0]
+    routed_end = caps.sink + to_host(cache.next_win)[0] * caps.window
     stats = {
-        "routing_events": np.asarray(cache.routing_events[0]).tolist(),
+        "routing_events": to_host(cache.routing_events)[0].tolist(),
         "evictions": per_row(cache.evictions),
         "local_tokens": np.maximum(0, length - np.maximum(routed_end, caps.sink)).tolist(),
         "nf": caps.nf,
@@ -113,9 +115,9 @@ def cache_stats(cache: SinkRingCache) -> dict[str, Any]:
     if not isinstance(cache, TieredCache):
         zeros = [0] * len(length)
         return stats | {"promotions": zeros, "demotions": zeros, "dormant": 0}
-    fp_win = np.asarray(cache.fp_win)
-    led_win = np.asarray(cache.ledger.win)
-    active = np.asarray(cache.ledger.active)
+    fp_win = to_host(cache.fp_win)
+    led_win = to_host(cache.ledger.win)
+    active = to_host(cache.ledger.active)
     return stats | {
         "promotions": per_row(cache.promotions),
         "demotions": per_row(cache.demotions),

@@ -21,7 +21,7 @@ from qevict_jax.budget import BudgetTooSmallError
 from qevict_jax.compiled import bucket_floor, bucket_length
 from qevict_jax.kv import FullKV, KVMethod, full_kv_bytes
 from qevict_jax.sampling import SamplerConfig, sample
-from qevict_jax.sharding import Mesh, constrain_cache
+from qevict_jax.sharding import Mesh, constrain_cache, mesh_context
 
 # ---------------------------------------------------------------------------------------------- host side
 
@@ -227,8 +227,9 @@ def _append(
         return (constrain_cache(new, mesh), jnp.where(active[:, None], logits[:, 0], last)), None
 
     last0 = jnp.zeros((b, model.cfg.vocab_size), jnp.float32)
-    (cache, last), _ = jax.lax.scan(body, (cache, last0), (tokens.T, jnp.arange(q, dtype=jnp.int32)))
-    cache = constrain_cache(method.route(cache, inv_freq), mesh)
+    with mesh_context(mesh):  # the decode attention and routing map over the mesh's shards (``on_shards``)
+        (cache, last), _ = jax.lax.scan(body, (cache, last0), (tokens.T, jnp.arange(q, dtype=jnp.int32)))
+        cache = constrain_cache(method.route(cache, inv_freq), mesh)
     return sample(last, rng, sampler), cache
 
 

@@ -22,6 +22,7 @@ from qevict_jax.cache import SizedByCapacities, TieredCache
 from qevict_jax.config import CacheConfig, Capacities, num_windows
 from qevict_jax.routing import route_stacked
 from qevict_jax.scoring import Ranking, make_ranking
+from qevict_jax.sharding import DATA, REPLICATED, on_shards, row_specs
 from qevict_jax.window import decode_layer, prefill_layer
 
 QEVICT_OPTIONS = (
@@ -96,7 +97,14 @@ class QEvict(SizedByCapacities):
     def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
         """A routing event of every layer and row of a stacked cache (windows that left the recent region
         compete, Q windows whose scores rose are promoted); ``due`` [] bool: only if it holds (None: always)."""
-        return route_stacked(cache, inv_freq, self.ranking, self.cache.promotion, due)
+        # per shard of rows on a mesh: XLA partitions the plan's vmapped top_k by gathering its batch axis
+        rows = row_specs(cache)
+        if due is None:
+            run = lambda c, f: route_stacked(c, f, self.ranking, self.cache.promotion)
+            return on_shards(run, in_specs=(rows, REPLICATED), out_specs=rows, axes=(DATA,))(cache, inv_freq)
+        run = lambda c, f, d: route_stacked(c, f, self.ranking, self.cache.promotion, d)
+        specs = (rows, REPLICATED, REPLICATED)
+        return on_shards(run, in_specs=specs, out_specs=rows, axes=(DATA,))(cache, inv_freq, due)
 
     def decode_route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
         """After a decode step: ``route`` every step, moving data only when an event is due (``routing_due``;

@@ -7,6 +7,13 @@ decode loop constrain the cache pytree to ``cache_shardings`` (``jax.lax.with_sh
 partitions the rest and inserts the collectives. Without a mesh the constraints are the identity, so one
 device runs the very same jitted code, and a 1 x 1 mesh gives bit-identical results.
 
+Custom kernels (the CPU ledger kernel, an XLA FFI call; the Pallas kernels) have no partitioning rule: left
+to XLA, their inputs (the tier buffers and the ledger) would be gathered onto every device. The jitted
+decode loop and append therefore run inside ``mesh_context(mesh)``, the ambient abstract mesh, and the
+decode attention maps its per-tier partials over the shards with ``on_shards`` (``jax.shard_map``: each
+device attends over its own rows and KV heads); the combine of the partials runs after, in plain jnp that
+XLA partitions (a head-mean reduces over "model"). Nothing of the cache moves, only activations.
+
 Parameter layout (``models.model.param_shapes``: linear weights are [in, out], stacked on [L]):
 
 - ``wq`` [L, Dm, H*D], ``wk`` / ``wv`` [L, Dm, Hkv*D], ``bq`` / ``bk`` / ``bv`` [L, H*D | Hkv*D]: output
@@ -24,14 +31,16 @@ KV-head axis has it on axis 2 (over "model"). Which leaf has one is written down
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -100,6 +109,10 @@ CACHE_LAYOUTS: dict[type, dict[str, str]] = {
 
 _SPECS = {HEADS: P(None, DATA, MODEL), BATCH: P(None, DATA)}
 
+ROWS = P(DATA)  # [B, ...] one layer's per-row array: rows over "data"
+ROW_HEADS = P(DATA, MODEL)  # [B, Hkv, ...] one layer's per-head array: rows over "data", KV heads over "model"
+REPLICATED = P()
+
 
 def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``data`` x ``model`` mesh with axes ("data", "model") over the first data * model of ``devices``
@@ -157,7 +170,7 @@ def shard_state(state: nnx.State, cfg: ModelConfig, mesh: Mesh) -> nnx.State:
     """A copy of a model's parameter state (``nnx.split(model)[1]``) placed on ``mesh`` by ``param_specs``."""
     specs = param_specs(cfg, mesh)
     pure = nnx.to_pure_dict(state)
-    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), pure, specs)
+    placed = jax.tree.map(lambda a, s: put(a, NamedSharding(mesh, s)), pure, specs)
     out = jax.tree.map(lambda x: x, state)
     nnx.replace_by_pure_dict(out, placed)
     return out
@@ -234,15 +247,69 @@ def check_batch(batch: int, mesh: Mesh | None) -> None:
         )
 
 
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``x`` (a host value or an array, the same full value on every process) as a global array placed by
+    ``sharding``, whose mesh may span processes (``jax.distributed``).
+
+    ``jax.device_put`` only takes a sharding of this process's devices from a host value, so on a mesh that
+    spans processes each process builds its own shards from its copy (``jax.make_array_from_callback``); a
+    random key travels as its key data. An array that already spans processes is resharded."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole value of an array as a numpy array on this process: gathered from every process when its
+    shards live on several (``multihost_utils.process_allgather``, a collective: every process calls it)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def place_rows(x: Any, mesh: Mesh | None) -> jax.Array:
     """A host array with the batch on axis 0 on the device(s): split over "data" on a mesh."""
     if mesh is None:
         return jnp.asarray(x)
-    return jax.device_put(x, NamedSharding(mesh, P(DATA)))
+    return put(x, NamedSharding(mesh, P(DATA)))
 
 
 def place_replicated(x: Any, mesh: Mesh | None) -> jax.Array:
     """``x`` on the device(s): replicated over a mesh."""
     if mesh is None:
         return jnp.asarray(x) if not isinstance(x, jax.Array) else x
-    return jax.device_put(x, NamedSharding(mesh, P()))
+    return put(x, NamedSharding(mesh, P()))
+
+
+def mesh_context(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+    """``mesh`` as the ambient abstract mesh (``jax.sharding.use_abstract_mesh``, usable under jit) that
+    ``on_shards`` maps over; a no-op without a mesh."""
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def on_shards(
+    fn: Callable, *, in_specs: Any, out_specs: Any, axes: tuple[str, ...] = (DATA, MODEL)
+) -> Callable:
+    """``fn`` per shard of the ambient mesh (``mesh_context``) by ``jax.shard_map`` with these specs (pytree
+    prefixes of its arguments and results, e.g. ``ROW_HEADS`` for [B, Hkv, ...]); ``fn`` itself without an
+    ambient ("data", "model") mesh or on one device, so one device runs the code it ran before.
+
+    ``axes``: the mesh axes ``fn`` is mapped over (the others stay XLA's to partition inside it). ``fn`` must
+    compute each output shard from its input shards alone along those axes (per row; per KV head too, e.g.
+    attention partials). ``check_vma`` is off: the FFI and Pallas calls inside have no varying-axes rule.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or set(mesh.axis_names) != {DATA, MODEL} or mesh.size == 1:
+        return fn
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes), check_vma=False
+    )
+
+
+def row_specs(cache: Any) -> Any:
+    """The spec of every leaf of a stacked cache ([L, B, ...]) split over "data" only: its rows, for a
+    function mapped over the rows (``on_shards(..., axes=(DATA,))``; the KV heads stay XLA's)."""
+    return jax.tree.map(lambda _: P(None, DATA), cache)

@@ -4,13 +4,15 @@ decode attention over sink | F | Q | ring (docs/design.md §6-§7); routing betw
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from models.model import LayerContext
 from pallas_kernels.dispatch import ledger_attention
-from pallas_kernels.fused_attention import fused_attention
-from pallas_kernels.reference import DenseTier, QuantTier, TierAttention, tier_attention_reference
+from pallas_kernels.fused_attention import fused_partials
+from pallas_kernels.reference import DenseTier, Partial, QuantTier, TierAttention, merge_tiers, tier_partials
 from qevict_jax.cache import (
     TieredCache,
     fill_sink_and_ring,
@@ -23,6 +25,7 @@ from qevict_jax.cache import (
 from qevict_jax.config import CacheConfig
 from qevict_jax.routing import RoutingPlan, apply_plan, compact, plan_for_row
 from qevict_jax.scoring import Ranking
+from qevict_jax.sharding import REPLICATED, ROW_HEADS, ROWS, on_shards
 
 # ---------------------------------------------------------------------------------------------- prefill
 
@@ -124,11 +127,13 @@ def tier_attention(
     use_kernel: bool = False,
 ) -> TierAttention:
     """Attention of one decode query per head q [B, Hkv, G, D] (post-RoPE, at q_pos [B]) over all tiers:
-    the normalized output and the head-mean mass per sink token, F slot, ledger slot and ring token.
+    the normalized output and the head-mean mass per sink token, F slot, ledger slot and ring window
+    (``local_mass`` [B, RW]: the ring's W-token windows, window w in slot w % RW).
 
     The cache must already hold the current token (in the sink or the ring) and ``length = q_pos + 1``.
-    ``use_kernel``: the Pallas kernels (``pallas_kernels.fused_attention``; not with a sliding window, whose
-    token-level masks they do not take), else the jnp reference with the fastest ledger attention here.
+    ``use_kernel``: the Pallas kernels (``pallas_kernels.fused_attention.fused_partials``; not with a
+    sliding window, whose token-level masks they do not take), else the jnp reference with the fastest
+    ledger attention here. On a mesh (``sharding.mesh_context``) the partials run per shard.
     """
     caps = cache.caps
     s, w = caps.sink, caps.window
@@ -152,10 +157,26 @@ def tier_attention(
         DenseTier(cache.local_k, cache.local_v, loc_ok),
     )
     if use_kernel and sliding_window is None:
-        return fused_attention(q, *tiers, inv_freq, window=w, fmt=caps.format)
-    return tier_attention_reference(
-        q, *tiers, inv_freq, window=w, fmt=caps.format, ledger_attention=ledger_attention
+        partials = functools.partial(fused_partials, window=w, fmt=caps.format)
+    else:
+        partials = functools.partial(tier_partials, window=w, fmt=caps.format, ledger_attention=ledger_attention)
+    # on a mesh every device attends over its own rows and KV heads (the kernels have no partitioning rule:
+    # XLA would gather the tiers); the merge, a softmax combine per head and a head mean, runs after
+    dense = DenseTier(ROW_HEADS, ROW_HEADS, ROWS)
+    specs = (ROW_HEADS, (dense, dense, QuantTier(ROW_HEADS, ROWS, ROWS), dense), REPLICATED)
+
+    def shard_partials(q_, tiers_, f):
+        sink, fp, led, loc = partials(q_, *tiers_, f)
+        # the ring's mass per window (all the scores take), summed before the head mean: on a mesh the
+        # cross-device reduction of the masses carries W times fewer ring values
+        return [sink, fp, led, loc._replace(mass=loc.mass.reshape(*loc.mass.shape[:-1], -1, w).sum(-1))]
+
+    per_shard = on_shards(
+        shard_partials,
+        in_specs=specs,
+        out_specs=[Partial(ROW_HEADS, ROW_HEADS, ROW_HEADS, ROW_HEADS)] * 4,
     )
+    return merge_tiers(per_shard(q, tiers, inv_freq))
 
 
 def decode_layer(
@@ -187,7 +208,7 @@ def decode_layer(
     cache = cache.replace(loc_score=jnp.where(fresh, 0.0, cache.loc_score))
     qg = q[:, 0].reshape(b, hkv, h // hkv, d)
     att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window, use_kernel)
-    loc_mass = att.local_mass.reshape(b, caps.ring_windows, w).sum(-1)  # [B, RW]
+    loc_mass = att.local_mass  # [B, RW]
     cache = cache.replace(
         fp_score=ranking.update(cache.fp_score, att.fp_mass),
         ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, att.q_mass)),

@@ -8,6 +8,12 @@ then appends a second turn to QEvict's cache on one device and on (2, 4), and
 prints one JSON object: per method and mesh the tokens, cache bytes, memory ratio, routing counters and, per
 cache leaf, its PartitionSpec and the shape of one device's shard; plus the messages of the errors a batch or
 a model that does not divide over the mesh raises.
+
+"programs": per mesh (1 x 2, 2 x 1, 2 x 2, 2 x 4) and method (Full-KV; QEvict at β = 0.2 with the CPU
+ledger kernel, and with the Pallas kernels in interpret mode on 2 x 4), the compiled decode loop of a short
+generation on the same prompts: its all-gathers (result and operand shapes), the bytes its collectives move
+per decode step (``compiled.decode_step_collective_bytes``) and the cache leaves' global and shard shapes
+(prompts of ``PROGRAM_LENGTHS`` tokens, which β = 0.2 compresses).
 """
 
 from __future__ import annotations
@@ -22,11 +28,10 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from tiny import tiny_llama  # noqa: E402
+from tiny import decisive_model, tiny_llama  # noqa: E402
 
-from models.model import Transformer  # noqa: E402
 from pallas_kernels.dispatch import use_cpu_kernel  # noqa: E402
+from qevict_jax.compiled import EXECUTABLES, decode_loop_collectives, decode_step_collective_bytes  # noqa: E402
 from qevict_jax.generate import generate  # noqa: E402
 from qevict_jax.methods import cache_stats, make_method  # noqa: E402
 from qevict_jax.sampling import SamplerConfig  # noqa: E402
@@ -35,14 +40,13 @@ from qevict_jax.sharding import make_mesh, param_specs  # noqa: E402
 TINY = tiny_llama(1024)
 MESHES = [(2, 2), (1, 4), (2, 4)]
 METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16)}
-
-
-def tiny_model() -> Transformer:
-    """A random TINY model with a larger init than the default, so greedy choices are not near-ties."""
-    model = Transformer(TINY, rngs=nnx.Rngs(3))
-    state = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
-    return model
+PROGRAM_MESHES = [(1, 2), (2, 1), (2, 2), (2, 4)]
+PROGRAM_LENGTHS = (520, 470, 560, 500)
+PROGRAM_METHODS = {
+    "full": make_method("full"),
+    "qevict-0.2": make_method("qevict", 0.2, omega=2, recent=16),
+    "qevict-0.2-pallas": make_method("qevict", 0.2, omega=2, recent=16, pallas=True),
+}
 
 
 def leaf_report(cache) -> dict[str, dict]:
@@ -75,8 +79,29 @@ def run(model, prompts, sampler, method, mesh_shape) -> dict:
     }
 
 
+def program_report(model, prompts, method, mesh_shape) -> dict:
+    """The compiled decode loop of an 8-token generation on ``mesh_shape``: its all-gathers (anywhere in
+    the program), collective bytes per step, and the cache leaves' shapes (global, one device's shard)."""
+    res = generate(model, prompts, SamplerConfig(max_new_tokens=8), method, mesh=make_mesh(*mesh_shape))
+    hlo = EXECUTABLES.latest("_decode").as_text()
+    gathers = [
+        {"result": [list(s) for s in c.result], "operands": [list(s) for s in c.operands]}
+        for c in decode_loop_collectives(hlo, dynamic_loops=True)
+        if c.op == "all-gather"
+    ]
+    # every all-gather of the module, not only the loop's: a gather of the cache before the loop counts too
+    everywhere = [line.split("=")[1].split(" all-gather(")[0].strip() for line in hlo.splitlines() if " all-gather(" in line]
+    return {
+        "compressed": res.compressed,
+        "loop_gathers": gathers,
+        "all_gather_types": everywhere,
+        "collective_bytes": decode_step_collective_bytes(hlo),
+        "leaves": {k: {"shape": v["shape"], "shard": v["shard"]} for k, v in leaf_report(res.cache).items()},
+    }
+
+
 def main() -> None:
-    model = tiny_model()
+    model = decisive_model(TINY)
     rs = np.random.RandomState(0)
     prompts = [rs.randint(0, TINY.vocab_size, n).tolist() for n in (200, 150, 230, 180)]
     sampler = SamplerConfig(max_new_tokens=48)
@@ -96,6 +121,14 @@ def main() -> None:
             "cache_bytes": second.cache_bytes,
             "memory_ratio": second.memory_ratio,
         }
+    # longer prompts than above, so that β = 0.2 compresses them (the smallest cache is sinks + ring + a window)
+    long_prompts = [rs.randint(0, TINY.vocab_size, n).tolist() for n in PROGRAM_LENGTHS]
+    report["programs"] = {
+        f"{name}/{'x'.join(map(str, mesh_shape))}": program_report(model, long_prompts, method, mesh_shape)
+        for mesh_shape in PROGRAM_MESHES
+        for name, method in PROGRAM_METHODS.items()
+        if name != "qevict-0.2-pallas" or mesh_shape == (2, 4)
+    }
     try:
         generate(model, prompts[:3], sampler, METHODS["full"], mesh=make_mesh(2, 2))
     except ValueError as e:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny import tiny_llama
+from tiny import decisive_model, tiny_llama
 
 from models.model import Transformer
 from pallas_kernels.dispatch import use_cpu_kernel
@@ -51,10 +51,7 @@ def sharded() -> dict:
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    m = Transformer(TINY, rngs=nnx.Rngs(3))
-    state = nnx.state(m, nnx.Param)
-    nnx.update(m, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
-    return m
+    return decisive_model(TINY)
 
 
 def test_worker_saw_eight_devices(sharded):
@@ -205,3 +202,77 @@ def test_decode_loop_donates_the_cache(model):
     jax.block_until_ready(out)
     assert cache.k.is_deleted() and cache.v.is_deleted()
     assert not out[3].k.is_deleted()
+
+
+PROGRAMS = ["1x2", "2x1", "2x2", "2x4"]
+
+
+def _cache_leaf_shapes(leaves: dict, mesh: str) -> set[tuple[int, ...]]:
+    """Every shape under which a cache leaf could cross devices in a decode step: the leaf [L, B, ...] and
+    one layer's slice [B, ...] (the layer scan's), each with the batch axis whole or split over "data" and,
+    for a leaf split over "model" (shard shape says so), the KV-head axis whole or split. Leaves of one
+    value per row ([L, B] counters) are left out: [B] or [L, B] are the shapes of many small activations."""
+    data, model_axis = map(int, mesh.split("x"))
+    shapes = set()
+    for leaf in leaves.values():
+        shape, shard = leaf["shape"], leaf["shard"]
+        if len(shape) < 3:
+            continue
+        heads = [shape[2]] + ([shard[2]] if shard[2] != shape[2] else [])
+        for b in {shape[1], shape[1] // data}:
+            for h in heads:
+                rest = [b, h, *shape[3:]]
+                shapes |= {tuple(rest), (shape[0], *rest)}
+    return shapes
+
+
+@pytest.mark.parametrize("mesh", PROGRAMS)
+@pytest.mark.parametrize("name", ["full", "qevict-0.2", "qevict-0.2-pallas"])
+def test_sharded_decode_gathers_no_cache_leaf(sharded, name, mesh):
+    """The compiled decode loop (``compiled.as_text()``) on each mesh has no all-gather whose result or
+    operands have the shape of a cache leaf (``_cache_leaf_shapes``: whole, per layer, per device): the
+    tier buffers and the ledger stay where they are. With the Pallas kernels (interpret mode) on 2 x 4 too.
+
+    The criterion caught the gathers this was written against: before the ledger attention ran per shard
+    (``sharding.on_shards``), the 2 x 4 QEvict program all-gathered every ledger field, e.g. u8[2,4,5,8,2]
+    (one layer's k_codes, rows split, KV heads whole) and then u8[4,4,5,8,2]."""
+    key = f"{name}/{mesh}"
+    if key not in sharded["programs"]:
+        assert name == "qevict-0.2-pallas" and mesh != "2x4"
+        return
+    prog = sharded["programs"][key]
+    assert prog["compressed"] == name.startswith("qevict")
+    forbidden = _cache_leaf_shapes(prog["leaves"], mesh)
+    assert len(forbidden) >= (4 if name == "full" else 20)  # Full-KV: k and v; QEvict: every tier field
+    for gather in prog["loop_gathers"]:
+        for shape in gather["result"] + gather["operands"]:
+            assert tuple(shape) not in forbidden, (key, gather)
+    if name.startswith("qevict"):  # and nothing at all is gathered anywhere in QEvict's decode program
+        assert prog["all_gather_types"] == [], key
+
+
+@pytest.mark.parametrize("mesh", PROGRAMS)
+def test_qevict_collective_bytes_against_full_kv(sharded, mesh):
+    """Per decode step on the same mesh and prompts (the step without a routing event and the one with):
+    QEvict at β = 0.2 (CPU kernel, and Pallas kernels on 2 x 4) moves no more bytes through collectives
+    than Full-KV, plus, where the KV heads are split ("model" > 1), the head-mean attention mass of each
+    scored cache entry: one f32 per F slot, ledger slot and ring window per row and layer (the bytes of
+    the score leaves fp_score, ledger.score, loc_score one device holds), which its scores need every step
+    and Full-KV has none of. The tier buffers never move. Over "data" alone (2 x 1) QEvict moves less."""
+    data, model_axis = map(int, mesh.split("x"))
+    full = sharded["programs"][f"full/{mesh}"]["collective_bytes"]
+    for name in ("qevict-0.2", "qevict-0.2-pallas"):
+        prog = sharded["programs"].get(f"{name}/{mesh}")
+        if prog is None:
+            continue
+        leaves = prog["leaves"]
+        scores = sum(
+            int(np.prod(leaves[k]["shape"])) * 4 // data for k in (".fp_score", ".ledger.score", ".loc_score")
+        )
+        extra = scores if model_axis > 1 else 0
+        for step in ("step", "routing_step"):
+            assert prog["collective_bytes"][step] <= full[step] + extra, (name, step, prog["collective_bytes"], full)
+        if model_axis == 1:
+            assert prog["collective_bytes"]["routing_step"] < full["step"]
+    if model_axis > 1:  # the attention and MLP outputs are all-reduced over "model" every layer
+        assert full["step"] > 0

@@ -38,3 +38,18 @@ def test_planned_cache_bytes_are_what_generate_allocates(model, name):
     assert row["decode_peak"] >= row["cache_bytes"]
     assert row["prefill_peak"] >= row["cache_bytes"]
     assert row["tok_s"] > 0 and row["tpot_ms"] > 0
+
+
+@pytest.mark.parametrize("name", ["full", "qevict"])
+def test_sharded_row_on_one_device_moves_nothing(model, name):
+    """``--mesh``'s measurement on a 1 x 1 mesh (this process has one device; the multi-device figures are
+    tests/test_sharding.py's): tokens/s per device is the whole, and one device has no collective."""
+    method = make_method(name, 0.3, recent=16) if name != "full" else make_method("full")
+    prompts = throughput.prompts_for(TINY, 700, 2, 8)
+    row = throughput.measure_sharded(
+        model, prompts, SamplerConfig(max_new_tokens=8), method, jnp.bfloat16, (1, 1)
+    )
+    assert row["devices"] == 1 and row["tok_s"] > 0 and row["tok_s_per_device"] == row["tok_s"]
+    assert row["step_bytes"] == row["routing_step_bytes"] == 0
+    assert row["compressed"] == (name == "qevict")
+    assert throughput.parse_meshes("1x2,2x1,2x2") == [(1, 2), (2, 1), (2, 2)]

@@ -1,4 +1,5 @@
-"""Helpers shared by test modules: the tiny random Llama shape several tests run on, and loading a
+"""Helpers shared by test modules: the tiny random Llama shape several tests run on (and a random model of
+it), and loading a
 ``bench/`` script as a module (benchmarks are scripts, not part of the package)."""
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def tiny_llama(max_positions: int) -> ModelConfig:
 
 def decisive_model(cfg: ModelConfig, seed: int = 3) -> Transformer:
     """A random model of ``cfg`` with its matrices scaled by 4 over the default init, so that greedy choices
-    are not near-ties (token-equality tests then compare decisions, not float noise)."""
+    are not near-ties (token-equality tests then compare decisions, not float noise); the same weights on
+    every process that builds it with this seed."""
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda a: a * 4.0 if a.ndim >= 2 else a, state))
