@@ -126,9 +126,14 @@ def bars_figure(records: Sequence[Mapping[str, Any]], score_name: str = "score",
                 ax.text(min(score + err[1] + 1.5, 101), y, f"{score:.3g} (n={n})", va="center", fontsize=7)
             ticks.append(top)
             labels.append(task)
-            if FULL in cells.get(task, {}):
-                ax.vlines(cells[task][FULL][0], top + 0.5, top + len(methods) + 0.5, colors="black",
-                          linestyles="--", linewidth=1.2, label="Full-KV" if g == 0 else None)  # fmt: skip
+            if FULL in cells.get(
+                task, {}
+            ):  # a dashed line across the group, its value named on its header row
+                full = cells[task][FULL][0]
+                ax.vlines(
+                    full, top + 0.5, top + len(methods) + 0.5, colors="black", linestyles="--", linewidth=1.2
+                )
+                ax.text(full - 1, top, f"Full-KV {full:.3g}", ha="right", va="center", fontsize=7)
         ax.set_ylim(rows - 0.4, -0.6)
         ax.set_yticks(ticks, labels, fontsize=8)
         for label in ax.get_yticklabels():
@@ -138,8 +143,6 @@ def bars_figure(records: Sequence[Mapping[str, Any]], score_name: str = "score",
         ax.set_xlabel(score_name + (" (bars: 95% Wilson intervals)" if intervals else ""))
         ax.set_title(f"length {length}", fontsize=10)
         ax.grid(axis="x", alpha=0.3)
-        if FULL in {m for c in cells.values() for m in c}:
-            ax.legend(fontsize=8, loc="lower right")
     return fig
 
 
