@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,8 +156,7 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
         # the bounded path (quantize / dequantize only the windows that move) gives the same row, bit for bit
         if fits:
             bounded_events += 1
-            for a, b in zip(jax.tree.leaves(row), jax.tree.leaves(bounded), strict=True):
-                assert np.array_equal(np.asarray(a), np.asarray(b))
+            chex.assert_trees_all_equal(row, bounded)
         fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.ledger.win)
         led_active = np.asarray(row.ledger.active)
         fp_k = np.asarray(row.fp_k.astype(jnp.float32))
@@ -201,11 +201,14 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
                 assert w not in ever_quantized
                 first_codes[w] = codes
                 ever_quantized.add(w)
-            for name, got, first, want in zip(
-                CODE_FIELDS, codes, first_codes[w], ref_codes[w], strict=True
-            ):
-                assert np.array_equal(got, first), (name, w)
-                assert np.array_equal(got, want), (name, w)
+            # a window's codes are its first codes, and those of the reference quantizer, bit for bit
+            chex.assert_trees_all_equal(
+                dict(zip(CODE_FIELDS, codes, strict=True)),
+                dict(zip(CODE_FIELDS, first_codes[w], strict=True)),
+            )
+            chex.assert_trees_all_equal(
+                dict(zip(CODE_FIELDS, codes, strict=True)), dict(zip(CODE_FIELDS, ref_codes[w], strict=True))
+            )
         # F copies: a promoted window holds the dequantization of its first codes, the others their own KV
         ever_promoted |= old_active & set(in_f)
         for slot, w in enumerate(fp_win):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
+import chex
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -127,3 +131,22 @@ def test_keys_per_channel_values_per_token(bits):
     np.testing.assert_array_equal(np.asarray(vc), np_pack(ref_c, bits))
     vhat = np.asarray(quant.dequantize_values(vc, vs, vz, bits))
     assert np.all(np.abs(vhat - v) <= np.asarray(vs, np.float32)[:, :, None] / 2 * (1 + 1e-3) + 1e-6)
+
+
+class QuantizeJittedAndNot(chex.TestCase):
+    """``quantize_groups`` / ``dequantize_groups`` jitted and un-jitted against the float64 bound and the
+    numpy grid, with the shapes of their contract."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(2, 4)
+    def test_round_trip_within_half_a_step(self, bits):
+        x = (np.random.default_rng(bits).standard_normal((3, 5, 8)) * 3.0).astype(np.float32)
+        quantize = self.variant(functools.partial(quant.quantize_groups, bits=bits))
+        dequantize = self.variant(functools.partial(quant.dequantize_groups, bits=bits))
+        codes, scale, zero = quantize(x)
+        chex.assert_shape([codes, scale, zero], [(3, 5, 8 * bits // 8), (3, 5), (3, 5)])
+        chex.assert_type([codes, scale, zero], [np.uint8, np.float16, np.float16])
+        xhat = np.asarray(dequantize(codes, scale, zero), np.float64)
+        step = np.asarray(scale, np.float64)[..., None]
+        assert np.all(np.abs(xhat - x) <= step / 2 + 1e-5 * (1 + np.abs(x)))
+        chex.assert_trees_all_equal(np.asarray(zero), np_grid(x, bits)[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -421,3 +422,27 @@ def test_route_stacked_takes_a_path_that_holds_the_event_and_equals_the_full_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(when(cache, jnp.bool_(False))), jax.tree.leaves(cache), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_one_trace_per_shape_of_the_plan():
+    """The plan is traced once for a shape whatever the metadata (``chex.assert_max_traces``), and a new
+    shape is a new trace, which the guard reports."""
+    nf, nl, nq, k = 3, 5, 3, 2
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def plan(*metadata):
+        return plan_routing(*metadata, nq=nq, promotion=True, spill=0, num_windows=NUM_WINDOWS)
+
+    rng = np.random.default_rng(0)
+    for event in range(4):  # different ids, scores and activity: the same program
+        fp_win = np.where(rng.random(nf) < 0.7, rng.permutation(NUM_WINDOWS)[:nf], -1).astype(np.int32)
+        led_win = np.where(rng.random(nl) < 0.5, NUM_WINDOWS - 1 - np.arange(nl), -1).astype(np.int32)
+        out = plan(
+            fp_win, rng.random(nf).astype(np.float32), led_win, led_win >= 0, rng.random(nl).astype(np.float32),
+            np.array([event, -1], np.int32), rng.random(k).astype(np.float32),
+        )  # fmt: skip
+        chex.assert_shape((out.fp_win, out.led_win, out.led_active), [(nf,), (nl,), (nl,)])
+    with pytest.raises(AssertionError, match="traced > 1"):
+        plan(*(np.zeros(n, dt) for n, dt in [(nf + 1, np.int32), (nf + 1, np.float32), (nl, np.int32),
+                                              (nl, bool), (nl, np.float32), (k, np.int32), (k, np.float32)]))  # fmt: skip
