@@ -269,6 +269,10 @@ def test_wilson_interval_hand_checked():
     assert hi == 1.0 and lo == pytest.approx(1 - 0.27754, abs=1e-4)
     with pytest.raises(ValueError, match="at least one sample"):
         wilson_interval(mean=0.5, n=0)
+    for n in range(1, 200):  # the interval always holds its own proportion (a bar's error is never negative)
+        for p in (0.0, 1.0, 0.25, 1 / 3, 0.7):
+            lo, hi = wilson_interval(mean=p, n=n)
+            assert lo <= p <= hi
 
 
 def _bar_records() -> list[dict]:

@@ -53,7 +53,8 @@ def wilson_interval(*, mean: float, n: int, z: float = 1.96) -> tuple[float, flo
     z2 = z * z / n
     centre = (p + z2 / 2) / (1 + z2)
     half = z * (p * (1 - p) / n + z2 / (4 * n)) ** 0.5 / (1 + z2)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the interval contains p exactly (at p = 0 or 1 rounding would otherwise leave it a ulp outside)
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def _percent_interval(score: float, n: int) -> tuple[float, float]:
