@@ -32,7 +32,8 @@ that long contexts cost compile time only; SnapKV (β = 0.2, a token-pool baseli
 ``--mesh 1x2,2x1,2x2``: sharded generation (``generate(..., mesh=...)``, "data" x "model") on each mesh:
 decode tokens/s in all and per device, and the bytes one device moves through collectives per decode step,
 read from the compiled decode loop that ran (``compiled.decode_step_collective_bytes``: a step without a
-routing event, and one with), for Full-KV and QEvict at β = 0.2. Fake CPU devices
+routing event, and one with), for Full-KV and QEvict at β = 0.2, with the head mean of the attention masses
+every step and at routing events only (``deferred_head_mean``). Fake CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=4``) share the machine's cores, so their tokens/s say
 little; the collective bytes are those of the program a real mesh would run. On the CPU the model is random
 f32 weights in Qwen2.5-0.5B shapes (2 KV heads, 14 heads: split by a "model" axis of 2), default context 1024,
@@ -342,20 +343,24 @@ def mesh_sweep(model, cfg, args, kv_dtype, t_start: float) -> None:
     sampler = SamplerConfig(max_new_tokens=args.new_tokens)
     print(
         "| context | batch | mesh | method | memory ratio | decode tok/s | tok/s per device "
-        "| collective bytes / step | with routing event | vs Full-KV |"
+        "| collective bytes / step | with routing event | step vs Full-KV | routing step vs Full-KV |"
     )
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 11)
+    # Full-KV, QEvict β = 0.2 (β = 0.1 cannot compress 1K at R = 128), and QEvict β = 0.2 with the head mean
+    # of the masses taken at routing events (``deferred_head_mean``)
+    mesh_methods = [*methods()[:2], ("QEvict β=0.2 deferred", make_method("qevict", 0.2, deferred_head_mean=True))]
+    ratio = lambda a, b: "-" if b == 0 else f"{a / b:.3f}"
     for _, batch, prompts in rows(cfg, args, t_start):
         for mesh_shape in meshes:
             ref = None
-            for label, method in methods()[:2]:  # Full-KV, QEvict β = 0.2 (β = 0.1 cannot compress 1K at R = 128)
+            for label, method in mesh_methods:
                 r = measure_sharded(model, prompts, sampler, method, kv_dtype, mesh_shape)
                 ref = ref or r
-                versus = "-" if ref["routing_step_bytes"] == 0 else f"{r['routing_step_bytes'] / ref['routing_step_bytes']:.3f}"
                 print(
                     f"| {len(prompts[0])} | {batch} | {mesh_shape[0]}x{mesh_shape[1]} | {label} "
                     f"| {r['memory_ratio']:.3f} | {r['tok_s']:.1f} | {r['tok_s_per_device']:.1f} "
-                    f"| {r['step_bytes']} | {r['routing_step_bytes']} | {versus} |",
+                    f"| {r['step_bytes']} | {r['routing_step_bytes']} | {ratio(r['step_bytes'], ref['step_bytes'])} "
+                    f"| {ratio(r['routing_step_bytes'], ref['step_bytes'])} |",
                     flush=True,
                 )
 

@@ -60,7 +60,9 @@ class TierAttention(NamedTuple):
     out: [B, Hkv, G, D] normalized attention output.
     sink_mass [B, S], fp_mass [B, NF], q_mass [B, NL], local_mass [B, NR]: attention probability mass per
     sink token, F slot, Q (ledger) slot and local token, averaged over all H = Hkv * G query heads (each
-    head's probabilities sum to 1 over all tiers, so the masses of a row sum to 1 when any key is valid).
+    head's probabilities sum to 1 over all tiers, so the masses of a row sum to 1 when any key is valid);
+    or, from ``merge_tiers(..., head_mean=False)``, per KV head (averaged over its G query heads):
+    [B, Hkv, S], [B, Hkv, NF], ...
     """
 
     out: jax.Array
@@ -215,14 +217,17 @@ def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.A
     return out, [sc * inv for sc in scales]
 
 
-def merge_tiers(tiers: Sequence[Partial]) -> TierAttention:
+def merge_tiers(tiers: Sequence[Partial], *, head_mean: bool = True) -> TierAttention:
     """Combine the (sink, F, Q, local) partials of one decode query per head into the normalized output and
-    the head-mean masses."""
+    the masses: averaged over every query head, or (``head_mean=False``) per KV head over its group only,
+    which needs nothing from another KV head's device on a mesh."""
     live = [i for i, t in enumerate(tiers) if t.mass.shape[-1] > 0]
     out, weights = combine_partials([tiers[i] for i in live])
-    masses = [jnp.zeros(t.mass.shape[:1] + t.mass.shape[3:], jnp.float32) for t in tiers]
+    axes = (1, 2) if head_mean else (2,)
+    kept = (0,) if head_mean else (0, 1)
+    masses = [jnp.zeros([t.mass.shape[a] for a in kept] + list(t.mass.shape[3:]), jnp.float32) for t in tiers]
     for i, wt in zip(live, weights, strict=True):
-        masses[i] = jnp.mean(tiers[i].mass * wt[..., None], axis=(1, 2))
+        masses[i] = jnp.mean(tiers[i].mass * wt[..., None], axis=axes)
     return TierAttention(out, *masses)
 
 

@@ -82,6 +82,7 @@ def solve_capacities(
             cache_cfg.bits,
             cache_cfg.omega,
             quant=cache_cfg.quant,
+            deferred_head_mean=cache_cfg.deferred_head_mean,
         )
 
     fixed = _cache_bytes(caps(0, 0, 0), model_cfg, batch, dtype)

@@ -82,6 +82,12 @@ class TieredCache(SinkRingCache):
     ledger: Ledger  # the Q tier and the dormant codes of promoted windows
     promotions: jax.Array  # [B] int32 Q -> F transitions
     demotions: jax.Array  # [B] int32 F -> Q transitions
+    # with ``caps.deferred_head_mean`` the masses of the decode steps since the last routing event, per KV
+    # head, for each F slot, ledger slot and ring window (folded into the scores by ``fold_head_means``);
+    # else the last axis is 0
+    fp_pending: jax.Array  # [B, Hkv, NF | 0] f32
+    q_pending: jax.Array  # [B, Hkv, NL | 0] f32
+    loc_pending: jax.Array  # [B, Hkv, RW | 0] f32
 
     # The F tier is stored as 16-bit words (``kv.to_words``, as Full-KV's cache): routing scatters windows
     # into it, and XLA's CPU backend converts a whole bf16 buffer to f32 and back around every scatter.
@@ -179,6 +185,10 @@ def init_cache(
         ),
         promotions=counter,
         demotions=counter,
+        **{
+            name: z((hkv, n if caps.deferred_head_mean else 0), jnp.float32)
+            for name, n in (("fp_pending", nf), ("q_pending", nl), ("loc_pending", caps.ring_windows))
+        },
     )
 
 

@@ -54,6 +54,12 @@ class CacheConfig:
         quantized into the Q tier and nothing is evicted (KIVI; the budget does not apply).
     static: compress once after prefill (no decode-time routing; the ring is sized to also hold every
         token after the prompt: an appended question or turn, and the decoded tokens). Pool layout only.
+    deferred_head_mean: keep each decode step's attention masses per KV head (running masses of Hkv f32
+        per scored entry, in the cache and its bytes) and take their head mean at the next routing event
+        instead of every step. The scores at each routing event are the same (up to float rounding) for a
+        ranking linear in the mass (``ScoreDynamics.linear_in_mass``); on a mesh that splits the KV heads
+        over "model", a decode step without a routing event then moves no mass between devices
+        (docs/multi-device.md). Tiered layout only.
     """
 
     sink: int = 5
@@ -76,6 +82,7 @@ class CacheConfig:
     layout: str = "tiered"
     pallas: bool | None = None
     static: bool = False
+    deferred_head_mean: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -130,6 +137,16 @@ class CacheConfig:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.deferred_head_mean and self.layout != "tiered":
+            raise ValueError(
+                f"deferred_head_mean applies to the window engine's tiered layout, not layout={self.layout!r}"
+            )
+        if self.deferred_head_mean and not RANKINGS[self.ranking].linear_in_mass:
+            linear = ", ".join(name for name, cls in RANKINGS.items() if cls.linear_in_mass)
+            raise ValueError(
+                f"deferred_head_mean needs a ranking linear in the attention mass (the head mean of running "
+                f"masses must equal the running mass of head means); {self.ranking!r} is not. Linear: {linear}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +167,8 @@ class Capacities:
     layer_caps: per-layer number of pool slots per head actually filled at prefill (PyramidKV); empty =
         ``pool_per_head`` for every layer.
     pool: the cache is the token pool's (``cache.PoolCache``), else the window engine's (``TieredCache``).
+    deferred_head_mean: the cache keeps per-KV-head running masses, folded into the scores at routing
+        events (``CacheConfig.deferred_head_mean``).
     """
 
     sink: int
@@ -168,6 +187,7 @@ class Capacities:
     layer_caps: tuple[int, ...] = ()
     pool: bool = False
     quant: str = "channel"
+    deferred_head_mean: bool = False
 
     @property
     def format(self) -> QuantFormat:

@@ -23,7 +23,7 @@ from qevict_jax.config import CacheConfig, Capacities, num_windows
 from qevict_jax.routing import route_stacked
 from qevict_jax.scoring import Ranking, make_ranking
 from qevict_jax.sharding import DATA, REPLICATED, on_shards, row_specs
-from qevict_jax.window import decode_layer, prefill_layer
+from qevict_jax.window import decode_layer, fold_head_means, prefill_layer
 
 QEVICT_OPTIONS = (
     "sink",
@@ -43,6 +43,7 @@ QEVICT_OPTIONS = (
     "prefill_chunk",
     "pallas",
     "budget_bytes",
+    "deferred_head_mean",
 )
 """Options of the window-tier methods (QEvict, R1-R4): fields of their ``CacheConfig``."""
 
@@ -97,6 +98,7 @@ class QEvict(SizedByCapacities):
     def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
         """A routing event of every layer and row of a stacked cache (windows that left the recent region
         compete, Q windows whose scores rose are promoted); ``due`` [] bool: only if it holds (None: always)."""
+        cache = fold_head_means(cache, due)  # before the plan reads the scores
         # per shard of rows on a mesh: XLA partitions the plan's vmapped top_k by gathering its batch axis
         rows = row_specs(cache)
         if due is None:

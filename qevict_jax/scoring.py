@@ -97,6 +97,10 @@ class ScoreDynamics:
     """
 
     shared_heads: ClassVar[bool] = False
+    # ``update`` is linear in (score, mass): update(s, m) = update(s, 0) + update(0, m), and scaling m scales
+    # update(0, m). Then a head mean of per-head running masses equals the running mass of the head means,
+    # so the window engine may take that mean at routing events only (``CacheConfig.deferred_head_mean``).
+    linear_in_mass: ClassVar[bool] = True
 
     def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
         """One decode step: score [...] f32, mass [...] this step's attention mass of each entry -> new score."""
@@ -222,6 +226,7 @@ class PNormRanking(Ranking):
 
     p: float = 3.0
     name: ClassVar[str] = "pnorm"
+    linear_in_mass: ClassVar[bool] = False  # the head mean is raised to the power p
 
     def update(self, score, mass):
         return score + jnp.power(jnp.maximum(mass, 0.0), self.p)

@@ -79,6 +79,9 @@ CACHE_LAYOUTS: dict[type, dict[str, str]] = {
         "ledger": "nested",  # Ledger
         "promotions": BATCH,  # [L, B]
         "demotions": BATCH,  # [L, B]
+        "fp_pending": HEADS,  # [L, B, Hkv, NF | 0]
+        "q_pending": HEADS,  # [L, B, Hkv, NL | 0]
+        "loc_pending": HEADS,  # [L, B, Hkv, RW | 0]
     },
     Ledger: {
         "codes": "nested",  # QuantizedWindows

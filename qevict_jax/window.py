@@ -176,7 +176,7 @@ def tier_attention(
         in_specs=specs,
         out_specs=[Partial(ROW_HEADS, ROW_HEADS, ROW_HEADS, ROW_HEADS)] * 4,
     )
-    return merge_tiers(per_shard(q, tiers, inv_freq))
+    return merge_tiers(per_shard(q, tiers, inv_freq), head_mean=not caps.deferred_head_mean)
 
 
 def decode_layer(
@@ -208,11 +208,54 @@ def decode_layer(
     cache = cache.replace(loc_score=jnp.where(fresh, 0.0, cache.loc_score))
     qg = q[:, 0].reshape(b, hkv, h // hkv, d)
     att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window, use_kernel)
-    loc_mass = att.local_mass  # [B, RW]
-    cache = cache.replace(
-        fp_score=ranking.update(cache.fp_score, att.fp_mass),
-        ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, att.q_mass)),
-        loc_score=ranking.update(cache.loc_score, loc_mass),
-        steps=cache.steps + 1,
-    )
+    if caps.deferred_head_mean:
+        # per KV head, on its own device: the scores take this step's dynamics with no mass (a linear
+        # ranking's update(s, m) = update(s, 0) + update(0, m)), the running masses take the mass
+        none = lambda x: jnp.zeros_like(x)
+        cache = cache.replace(
+            fp_score=ranking.update(cache.fp_score, none(cache.fp_score)),
+            ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, none(cache.ledger.score))),
+            loc_score=ranking.update(cache.loc_score, none(cache.loc_score)),
+            fp_pending=ranking.update(cache.fp_pending, att.fp_mass),
+            q_pending=ranking.update(cache.q_pending, att.q_mass),
+            loc_pending=ranking.update(jnp.where(fresh[:, None], 0.0, cache.loc_pending), att.local_mass),
+            steps=cache.steps + 1,
+        )
+    else:
+        cache = cache.replace(
+            fp_score=ranking.update(cache.fp_score, att.fp_mass),
+            ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, att.q_mass)),
+            loc_score=ranking.update(cache.loc_score, att.local_mass),  # [B, RW]
+            steps=cache.steps + 1,
+        )
     return att.out.reshape(b, 1, h, d).astype(q.dtype), cache
+
+
+def fold_head_means(cache: TieredCache, due: jax.Array | None = None) -> TieredCache:
+    """The scores with the head mean of the running masses (``caps.deferred_head_mean``) added and the
+    running masses zeroed, when ``due`` [] bool holds (None: always); the cache unchanged otherwise. Any
+    layout whose KV-head axis is the one before the last (one layer [B, Hkv, N], stacked [L, B, Hkv, N]).
+
+    With ``due`` the fold is a conditional over the score arrays alone: on a mesh that splits the KV heads
+    its cross-device mean runs on routing steps only, and the tier buffers are not operands of the branch."""
+    if not cache.caps.deferred_head_mean:
+        return cache
+
+    def fold(parts):
+        scores, pending = parts
+        summed = tuple(s + jnp.mean(p, axis=-2) for s, p in zip(scores, pending, strict=True))
+        return summed, tuple(jnp.zeros_like(p) for p in pending)
+
+    parts = (
+        (cache.fp_score, cache.ledger.score, cache.loc_score),
+        (cache.fp_pending, cache.q_pending, cache.loc_pending),
+    )
+    (fp, q, loc), (fp_p, q_p, loc_p) = fold(parts) if due is None else jax.lax.cond(due, fold, lambda x: x, parts)
+    return cache.replace(
+        fp_score=fp,
+        ledger=cache.ledger.replace(score=q),
+        loc_score=loc,
+        fp_pending=fp_p,
+        q_pending=q_p,
+        loc_pending=loc_p,
+    )

@@ -3,14 +3,15 @@
 The device count is fixed when JAX's backend starts, and the test suite's process has already started it
 with one device, so this script sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before it imports
 JAX. It generates with Full-KV and QEvict (a budget where routing evicts, demotes and promotes; four prompts
-of different lengths in one batch) on one device and on meshes (data, model) = (2, 2), (1, 4), (2, 4), and
-then appends a second turn to QEvict's cache on one device and on (2, 4), and
+of different lengths in one batch) on one device and on meshes (data, model) = (2, 2), (1, 4), (2, 4), QEvict
+with ``deferred_head_mean`` on one device and on (2, 4), and then appends a second turn to QEvict's cache on one device and on (2, 4), and
 prints one JSON object: per method and mesh the tokens, cache bytes, memory ratio, routing counters and, per
 cache leaf, its PartitionSpec and the shape of one device's shard; plus the messages of the errors a batch or
 a model that does not divide over the mesh raises.
 
 "programs": per mesh (1 x 2, 2 x 1, 2 x 2, 2 x 4) and method (Full-KV; QEvict at β = 0.2 with the CPU
-ledger kernel, and with the Pallas kernels in interpret mode on 2 x 4), the compiled decode loop of a short
+ledger kernel; with the Pallas kernels in interpret mode on 2 x 4; with ``deferred_head_mean``), the
+compiled decode loop of a short
 generation on the same prompts: its all-gathers (result and operand shapes), the bytes its collectives move
 per decode step (``compiled.decode_step_collective_bytes``) and the cache leaves' global and shard shapes
 (prompts of ``PROGRAM_LENGTHS`` tokens, which β = 0.2 compresses).
@@ -40,12 +41,14 @@ from qevict_jax.sharding import make_mesh, param_specs  # noqa: E402
 TINY = tiny_llama(1024)
 MESHES = [(2, 2), (1, 4), (2, 4)]
 METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16)}
+DEFERRED = make_method("qevict", 0.4, omega=2, recent=16, deferred_head_mean=True)
 PROGRAM_MESHES = [(1, 2), (2, 1), (2, 2), (2, 4)]
 PROGRAM_LENGTHS = (520, 470, 560, 500)
 PROGRAM_METHODS = {
     "full": make_method("full"),
     "qevict-0.2": make_method("qevict", 0.2, omega=2, recent=16),
     "qevict-0.2-pallas": make_method("qevict", 0.2, omega=2, recent=16, pallas=True),
+    "qevict-0.2-deferred": make_method("qevict", 0.2, omega=2, recent=16, deferred_head_mean=True),
 }
 
 
@@ -110,6 +113,10 @@ def main() -> None:
         for mesh_shape in [None, *MESHES]:
             key = f"{name}/{'single' if mesh_shape is None else 'x'.join(map(str, mesh_shape))}"
             report["runs"][key] = run(model, prompts, sampler, method, mesh_shape)
+    # the head mean of the masses taken at routing events only, on one device and on 2 x 4
+    for mesh_shape in (None, (2, 4)):
+        key = f"qevict-deferred/{'single' if mesh_shape is None else '2x4'}"
+        report["runs"][key] = run(model, prompts, sampler, DEFERRED, mesh_shape)
     # a second turn appended to the compressed cache (the jitted append, then decoding) on a 2 x 4 mesh
     turns = [rs.randint(0, TINY.vocab_size, n).tolist() for n in (20, 35, 12, 27)]
     for mesh_shape in (None, (2, 4)):

@@ -37,6 +37,7 @@ from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.eval.fidelity import fidelity_sample
 from qevict_jax.kv import DEFAULT_KV_DTYPE, KVMethod
 from qevict_jax.scoring import Ranking
+from qevict_jax.window import fold_head_means
 
 # ---------------------------------------------------------------------------------------------- reference
 
@@ -139,6 +140,7 @@ def window_view(cache: TieredCache, nw: int) -> tuple[jax.Array, jax.Array]:
     elsewhere.
     """
     ids = jnp.arange(nw, dtype=jnp.int32)
+    cache = fold_head_means(cache)  # the scores include the masses since the last routing event
 
     def row(r: TieredCache):
         tier = jnp.where(ids < r.next_win, E, LOCAL).astype(jnp.int8)
