@@ -17,8 +17,8 @@ their own, which must give the same tokens. Per method the pins hold the tokens,
 Compiling 27 decode loops and the shared prefill dominates the run time on a small CPU machine, so the script
 keeps XLA's persistent compilation cache in ``<qevict cache>/xla`` (``models.registry.cache_root``: the
 ``$QEVICT_CACHE`` folder, else ``~/.cache/qevict-jax``; ``--no-compilation-cache`` turns it off): a rerun on
-unchanged code loads the executables instead of compiling them. The cache is keyed by each program's HLO,
-so changed code compiles afresh.
+unchanged code loads the executables instead of compiling them. The cache is keyed by each program's HLO
+(debug information stripped), so changed code compiles afresh; it holds at most 1 GiB.
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --write or --out")
     if not args.no_compilation_cache:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+        jax.config.update("jax_compilation_cache_max_size", 1 << 30)  # least recently used entries go first
     t0 = time.perf_counter()
     path = args.model_dir or resolve_model(MODEL)
     _, model = load_model(path)
