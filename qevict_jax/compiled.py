@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import re
 import time
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -72,10 +73,21 @@ class ExecutableCache:
         key = self._latest.get(name)
         return self._executables.get(key) if key is not None else None
 
-    def run(self, jitted, static: dict[int, Any], *args) -> tuple[Any, float]:
-        """Call ``jitted(*args)`` through a cached executable; returns (outputs, seconds spent compiling)."""
-        dynamic = [a for i, a in enumerate(args) if i not in static]
-        leaves, treedef = jax.tree.flatten(dynamic)
+    def run(self, jitted, static: Mapping[str, Any], *args, **kwargs) -> tuple[Any, float]:
+        """Call ``jitted(*args, **kwargs, **static)`` through a cached executable; returns (outputs, seconds
+        spent compiling).
+
+        ``static``: the static arguments by name (the jitted function's ``static_argnames``); ``args`` and
+        ``kwargs``: the traced inputs (by name when a static parameter comes before them in the signature).
+        The executable is keyed by the static values and the traced inputs' tree, shapes, dtypes and
+        shardings.
+        """
+        positions = [k for k in static if not isinstance(k, str)]
+        if positions:
+            raise TypeError(
+                f"static arguments are given by name (static_argnames), got positions {positions}"
+            )
+        leaves, treedef = jax.tree.flatten((args, kwargs))
         # an executable is compiled for its inputs' shardings too (one device, or a mesh's NamedShardings)
         layout = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
         key = (jitted, tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef, layout)
@@ -84,13 +96,13 @@ class ExecutableCache:
             self._executables.move_to_end(key)
         else:
             t0 = time.perf_counter()
-            self._executables[key] = jitted.lower(*args).compile()
+            self._executables[key] = jitted.lower(*args, **kwargs, **static).compile()
             compile_s = time.perf_counter() - t0
             self.compilations[getattr(jitted, "__name__", repr(jitted))] += 1
             while len(self._executables) > self.capacity:
                 self._executables.popitem(last=False)
         self._latest[getattr(jitted, "__name__", repr(jitted))] = key
-        return self._executables[key](*dynamic), compile_s
+        return self._executables[key](*args, **kwargs), compile_s
 
 
 EXECUTABLES = ExecutableCache()

@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.quant import QuantFormat, quant_format
-from qevict_jax.scoring import RANKINGS
 
 LAYOUTS = ("tiered", "pool", "local", "keep_all")
+RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv", "gates")
+"""The names ``CacheConfig.ranking`` accepts: those of ``scoring.RANKINGS`` (a test holds them equal). The
+configuration names a ranking and does not import the rankings: it sits below them (docs/design.md §2)."""
 
 
 @dataclasses.dataclass(frozen=True)

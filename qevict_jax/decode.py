@@ -87,7 +87,9 @@ def _decode(
     return out, first_eos + 1, steps, cache
 
 
-decode_jit = jax.jit(_decode, static_argnums=(0, 6, 7, 8), donate_argnums=(2,))
+decode_jit = jax.jit(
+    _decode, static_argnames=("graphdef", "method", "sampler", "mesh"), donate_argnames=("cache",)
+)
 
 
 def _teacher_forced(
@@ -114,4 +116,6 @@ def _teacher_forced(
     return jnp.concatenate([first[:, None], rest.swapaxes(0, 1)], axis=1), cache
 
 
-teacher_forced_jit = jax.jit(_teacher_forced, static_argnums=(0, 5, 6, 7))
+teacher_forced_jit = jax.jit(
+    _teacher_forced, static_argnames=("graphdef", "method", "budget_tokens", "kv_dtype")
+)

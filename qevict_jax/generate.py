@@ -78,11 +78,11 @@ def generate(
             prompts,
             sampler,
             [method],
-            seed,
-            budget_rounding,
-            question_starts,
-            kv_dtype,
-            mesh,
+            seed=seed,
+            budget_rounding=budget_rounding,
+            question_starts=question_starts,
+            kv_dtype=kv_dtype,
+            mesh=mesh,
             on_token=on_token,
         )[0]
     if question_starts is not None:
@@ -96,7 +96,19 @@ def generate(
     need = int(max(start + np.array([len(t) for t in turns]))) + sampler.max_new_tokens
     cache = method.reserve(past.cache, need)
     result = _continue(
-        model, method, cache, None, start, turns, sampler, seed, prompts, past.kv_dtype, 0.0, mesh, on_token
+        model=model,
+        method=method,
+        cache=cache,
+        first=None,  # a new turn is appended: its last token's logits give the first token
+        start=start,
+        turns=turns,
+        sampler=sampler,
+        seed=seed,
+        prompts=prompts,
+        kv_dtype=past.kv_dtype,
+        prefill_s=0.0,  # no prompt pass: the time to first token is the append's
+        mesh=mesh,
+        on_token=on_token,
     )
     result.requested_method = past.requested_method or method
     return result
@@ -150,39 +162,39 @@ def generate_shared(
         groups = [(list(range(len(methods))), Fanout(tuple(methods)), budgets)]
     for members, prefill_method, budget_tokens in groups:
         t0 = time.perf_counter()
-        static, args = _prefill_call(
-            graphdef,
-            state,
-            tokens,
-            lengths,
-            seed,
-            prefill_method,
-            sampler,
-            budget_tokens,
-            capacity_new,
-            kv_dtype,
-            mesh,
+        static, inputs = _prefill_call(
+            graphdef=graphdef,
+            state=state,
+            tokens=tokens,
+            lengths=lengths,
+            seed=seed,
+            method=prefill_method,
+            sampler=sampler,
+            budget_tokens=budget_tokens,
+            capacity_new=capacity_new,
+            kv_dtype=kv_dtype,
+            mesh=mesh,
         )
-        (first, caches), compile_s = EXECUTABLES.run(prefill_jit, static, *args)
+        (first, caches), compile_s = EXECUTABLES.run(prefill_jit, static, **inputs)
         first.block_until_ready()
         prefill_s = time.perf_counter() - t0 - compile_s
         if not isinstance(prefill_method, Fanout):
             caches = (caches,)
         for i, cache in zip(members, caches, strict=True):
             results[i] = _continue(
-                model,
-                methods[i],
-                cache,
-                first,
-                lengths,
-                turns,
-                sampler,
-                seed,
-                prompts,
-                kv_dtype,
-                prefill_s,
-                mesh,
-                on_token,
+                model=model,
+                method=methods[i],
+                cache=cache,
+                first=first,
+                start=lengths,
+                turns=turns,
+                sampler=sampler,
+                seed=seed,
+                prompts=prompts,
+                kv_dtype=kv_dtype,
+                prefill_s=prefill_s,
+                mesh=mesh,
+                on_token=on_token,
             )
             results[i].compile_s += compile_s
             results[i].compressed = fits[i].compressed
@@ -191,6 +203,7 @@ def generate_shared(
 
 
 def _prefill_call(
+    *,
     graphdef,
     state,
     tokens: np.ndarray,
@@ -202,13 +215,21 @@ def _prefill_call(
     capacity_new: int,
     kv_dtype: Any,
     mesh: Mesh | None,
-) -> tuple[dict[int, Any], tuple[Any, ...]]:
-    """(static arguments, arguments) of ``prefill_jit`` for tokens [B, P] right-padded, lengths [B]: inputs
-    placed on the mesh, the prefill's random key drawn from ``seed`` as ``generate`` draws it."""
-    static = {0: graphdef, 5: method, 6: sampler, 7: budget_tokens, 8: capacity_new, 9: kv_dtype, 10: mesh}
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(static arguments, traced inputs) of ``prefill_jit`` by name, for tokens [B, P] right-padded, lengths
+    [B]: inputs placed on the mesh, the prefill's random key drawn from ``seed`` as ``generate`` draws it."""
+    static = dict(
+        graphdef=graphdef,
+        method=method,
+        sampler=sampler,
+        budget_tokens=budget_tokens,
+        capacity_new=capacity_new,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
+    )
     key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
-    args = (graphdef, state, place_rows(tokens, mesh), place_rows(lengths, mesh), key)
-    return static, (*args, method, sampler, budget_tokens, capacity_new, kv_dtype, mesh)
+    inputs = dict(state=state, tokens=place_rows(tokens, mesh), lengths=place_rows(lengths, mesh), rng=key)
+    return static, inputs
 
 
 def lower_prefill(
@@ -227,23 +248,24 @@ def lower_prefill(
     tokens, lengths = pad_prompts(prompts)
     budget_tokens = tokens_for_budget(method, lengths, sampler.max_new_tokens, budget_rounding)
     graphdef, state = nnx.split(model)
-    _, args = _prefill_call(
-        graphdef,
-        state,
-        tokens,
-        lengths,
-        0,
-        method,
-        sampler,
-        budget_tokens,
-        sampler.max_new_tokens,
-        kv_dtype,
-        None,
+    static, inputs = _prefill_call(
+        graphdef=graphdef,
+        state=state,
+        tokens=tokens,
+        lengths=lengths,
+        seed=0,
+        method=method,
+        sampler=sampler,
+        budget_tokens=budget_tokens,
+        capacity_new=sampler.max_new_tokens,
+        kv_dtype=kv_dtype,
+        mesh=None,
     )
-    return prefill_jit.lower(*args)
+    return prefill_jit.lower(**inputs, **static)
 
 
 def _continue(
+    *,
     model: Transformer,
     method: KVMethod,
     cache: Any,
@@ -258,8 +280,8 @@ def _continue(
     mesh: Mesh | None = None,
     on_token: TokenSink | None = None,
 ) -> GenerationResult:
-    """Append ``turns`` (if any) at positions ``start`` [B], then decode from ``first`` (the prefill's token,
-    used when nothing is appended). ``ttft_s`` = ``prefill_s`` + the append, compilation excluded. With
+    """Append ``turns`` (if any) at positions ``start`` [B], then decode from ``first`` (the prefill's token;
+    None when ``turns`` are appended, whose last logits give it). ``ttft_s`` = ``prefill_s`` + the append, compilation excluded. With
     ``on_token`` the first token goes to it from the host, the rest from inside the decode loop."""
     graphdef, state = _split(model, mesh)
     compile_s = 0.0
@@ -270,17 +292,13 @@ def _continue(
         chunk, counts = pad_prompts(turns, chunk_capacity(max(len(t) for t in turns)))
         (first, cache), c = EXECUTABLES.run(
             append_jit,
-            {0: graphdef, 7: method, 8: sampler, 9: mesh},
-            graphdef,
-            state,
-            cache,
-            place_rows(chunk, mesh),
-            place_rows(positions, mesh),
-            place_rows(counts, mesh),
-            place_replicated(k_append, mesh),
-            method,
-            sampler,
-            mesh,
+            dict(graphdef=graphdef, method=method, sampler=sampler, mesh=mesh),
+            state=state,
+            cache=cache,
+            tokens=place_rows(chunk, mesh),
+            start=place_rows(positions, mesh),
+            count=place_rows(counts, mesh),
+            rng=place_replicated(k_append, mesh),
         )
         compile_s += c
         positions = positions + counts
@@ -291,17 +309,13 @@ def _continue(
     with open_stream(on_token) if on_token is not None else contextlib.nullcontext() as stream_id:
         (out, counts, steps, cache), compile_decode = EXECUTABLES.run(
             decode_jit,
-            {0: graphdef, 6: method, 7: sampler, 8: mesh},
-            graphdef,
-            state,
-            cache,
-            first,
-            place_rows(positions, mesh),
-            place_replicated(k_decode, mesh),
-            method,
-            sampler,
-            mesh,
-            None if stream_id is None else place_replicated(stream_id, mesh),
+            dict(graphdef=graphdef, method=method, sampler=sampler, mesh=mesh),
+            state=state,
+            cache=cache,
+            first=first,
+            lengths=place_rows(positions, mesh),
+            rng=place_replicated(k_decode, mesh),
+            stream_id=None if stream_id is None else place_replicated(stream_id, mesh),
         )
         out = to_host(out)  # every process gets every row (a collective across the processes of a mesh)
     t2 = time.perf_counter()
@@ -355,15 +369,11 @@ def teacher_forced(
     graphdef, state = nnx.split(model)
     (logprobs, cache), _ = EXECUTABLES.run(
         teacher_forced_jit,
-        {0: graphdef, 5: method, 6: budget_tokens, 7: kv_dtype},
-        graphdef,
-        state,
-        jnp.asarray(tokens),
-        jnp.asarray(lengths),
-        jnp.asarray(targets),
-        method,
-        budget_tokens,
-        kv_dtype,
+        dict(graphdef=graphdef, method=method, budget_tokens=budget_tokens, kv_dtype=kv_dtype),
+        state=state,
+        tokens=jnp.asarray(tokens),
+        lengths=jnp.asarray(lengths),
+        targets=jnp.asarray(targets),
     )
     final_tokens = int(lengths.sum()) + len(prompts) * (targets.shape[1] - 1)
     return TeacherForcedResult(

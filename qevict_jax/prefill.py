@@ -233,8 +233,13 @@ def _append(
     return sample(last, rng, sampler), cache
 
 
-prefill_jit = jax.jit(_prefill, static_argnums=(0, 5, 6, 7, 8, 9, 10))
-append_jit = jax.jit(_append, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
+prefill_jit = jax.jit(
+    _prefill,
+    static_argnames=("graphdef", "method", "sampler", "budget_tokens", "capacity_new", "kv_dtype", "mesh"),
+)
+append_jit = jax.jit(
+    _append, static_argnames=("graphdef", "method", "sampler", "mesh"), donate_argnames=("cache",)
+)
 
 
 @dataclasses.dataclass(frozen=True)

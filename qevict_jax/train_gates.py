@@ -143,7 +143,7 @@ def teacher_logprobs(graphdef: Any, base_state: Any, tokens: jax.Array) -> jax.A
     return jax.lax.stop_gradient(jax.nn.log_softmax(logits, axis=-1))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=("graphdef", "tcfg"))
 def train_step(
     graphdef: Any, tcfg: TrainConfig, base_state: Any, gates: GateParams, opt_state: Any, tokens: jax.Array
 ) -> tuple[GateParams, Any, dict[str, jax.Array]]:
@@ -155,7 +155,7 @@ def train_step(
     return optax.apply_updates(gates, updates), opt_state, metrics
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=("graphdef", "tcfg"))
 def evaluate(graphdef: Any, tcfg: TrainConfig, base_state: Any, gates: GateParams, tokens: jax.Array):
     """Metrics of ``gate_loss`` on tokens [B, T] without a step."""
     teacher = teacher_logprobs(graphdef, base_state, tokens)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from models.config import ModelConfig
+from qevict_jax import config, scoring
 from qevict_jax.budget import solve_capacities
 from qevict_jax.config import CacheConfig
 from qevict_jax.kv import cache_nbytes, full_kv_bytes
@@ -120,6 +121,12 @@ def test_config_errors_are_clear():
         make_method("nope")
     with pytest.raises(ValueError, match="has no option 'windw'"):
         make_method("qevict", windw=8)
+
+
+def test_the_configuration_names_every_ranking():
+    """``CacheConfig`` validates ranking names without importing the rankings (it sits below them): its list
+    is the rankings' own, in the same order (the error lists them)."""
+    assert tuple(scoring.RANKINGS) == config.RANKINGS
 
 
 def test_recent_as_fraction_of_the_budget():

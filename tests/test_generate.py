@@ -127,6 +127,24 @@ def test_executable_cache_keeps_the_most_recent_executables():
         ExecutableCache(capacity=0)
 
 
+def test_executable_cache_keys_static_arguments_by_name():
+    """Static arguments go by name (``static_argnames``), traced inputs by position or name: one executable per
+    static value and input shape, whatever the order the names come in; positions are refused."""
+    cache = ExecutableCache()
+    scale = jax.jit(lambda k, x, y, *, offset: k * x + y + offset, static_argnames=("k", "offset"))
+    compiles = []
+    for k, offset, n in ((2, 1, 3), (2, 1, 3), (3, 1, 3), (2, 1, 4), (2, 0, 3)):
+        static = {"offset": offset, "k": k} if n == 4 else {"k": k, "offset": offset}
+        out, seconds = cache.run(scale, static, x=jnp.ones(n), y=jnp.ones(n))
+        np.testing.assert_array_equal(out, (k + 1 + offset) * np.ones(n))
+        compiles.append(seconds > 0)
+    assert compiles == [True, False, True, True, True]
+    out, seconds = cache.run(scale, {"offset": 1, "k": 2}, x=jnp.ones(3), y=jnp.ones(3))
+    assert seconds == 0.0 and len(cache) == 4
+    with pytest.raises(TypeError, match="by name"):
+        cache.run(scale, {0: 2}, jnp.ones(3), jnp.ones(3))
+
+
 def test_bucket_lengths():
     assert bucket_length(1) == 64
     assert bucket_length(64) == 64

@@ -1,4 +1,6 @@
-"""The import graph of the three packages: no cycles, and no imports between project modules inside functions.
+"""The import graph of the three packages: no cycles, no imports between project modules inside functions, and
+imports that point down the layers (``LAYERS``: an engine never imports a method, the runtime sees methods only
+through their protocol).
 
 Importing ``a.b`` first runs ``a/__init__.py``: an import of a module in another package is also an edge to
 that package's ``__init__`` (which is how ``pallas_kernels.reference -> qevict_jax.quant`` once closed a loop
@@ -8,10 +10,17 @@ through ``qevict_jax/__init__.py``).
 from __future__ import annotations
 
 import ast
+import functools
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("qevict_jax", "pallas_kernels", "models")
+
+
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 def _modules() -> dict[str, Path]:
@@ -48,7 +57,7 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
     edges: dict[str, set[str]] = {m: set() for m in modules}
     deferred = []
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _parse(path)
         top_level = {id(n) for n in tree.body}
         own_packages = _ancestors(name)
         for target, node in _imports(tree, modules):
@@ -111,3 +120,182 @@ def test_the_project_import_graph_has_no_cycles():
 def test_no_project_module_is_imported_inside_a_function():
     _, deferred = _graph()
     assert deferred == []
+
+
+# ------------------------------------------------------------------------------------------------ layers
+
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # bottom first: a module may import its own layer and the layers before it, never one after it
+    ("models", (
+        "models", "models.attention", "models.config", "models.model", "models.checkpoint", "models.tokenizer",
+        "models.convert", "models.registry",
+    )),
+    ("kernels", (
+        "pallas_kernels", "pallas_kernels.quant", "pallas_kernels.reference", "pallas_kernels.cpu_ledger",
+        "pallas_kernels.dispatch", "pallas_kernels.ledger_attention", "pallas_kernels.fused_attention",
+    )),
+    # configuration, byte storage and accounting, the cache pytrees, the budget solver, the cache leaves'
+    # layouts on a mesh (``sharding``: the engines constrain and map their tiers with it). ``kv`` also holds
+    # the method protocol and Full-KV: ``CONCRETE_METHODS`` keeps Full-KV out of the layers below methods.
+    ("core", (
+        "qevict_jax.config", "qevict_jax.kv", "qevict_jax.cache", "qevict_jax.budget", "qevict_jax.sharding",
+    )),
+    # how important a window or token is: attention mass, the rankings, the learned gates' network
+    ("rankings", ("qevict_jax.attention_scores", "qevict_jax.scoring", "qevict_jax.gates")),
+    # the window engine (plan and migrate, attend) and the token-pool engine
+    ("engines", ("qevict_jax.routing", "qevict_jax.window", "qevict_jax.pool")),
+    ("methods", ("qevict_jax.qevict", "qevict_jax.baselines", "qevict_jax.gate_methods", "qevict_jax.methods")),
+    # generation: sees methods only through the protocol (``RUNTIME_SEES_ONLY_THE_PROTOCOL``)
+    ("runtime", (
+        "qevict_jax.sampling", "qevict_jax.compiled", "qevict_jax.streaming", "qevict_jax.results",
+        "qevict_jax.prefill", "qevict_jax.decode", "qevict_jax.generate", "qevict_jax.distributed",
+    )),
+    # the one-import façade (methods by name from the registry, a model by name) and the package itself
+    ("api", ("qevict_jax", "qevict_jax.pipeline", "qevict_jax.model_args")),
+    ("eval", (
+        "qevict_jax.needle", "qevict_jax.eval", "qevict_jax.eval.__main__", "qevict_jax.eval.cli",
+        "qevict_jax.eval.fidelity", "qevict_jax.eval.gsm8k", "qevict_jax.eval.harness", "qevict_jax.eval.haystack",
+        "qevict_jax.eval.jsonl", "qevict_jax.eval.longbench", "qevict_jax.eval.metrics", "qevict_jax.eval.plots",
+        "qevict_jax.eval.ruler", "qevict_jax.eval.ruler_tasks", "qevict_jax.eval.sweep", "qevict_jax.eval.testing",
+        "qevict_jax.diagnostics", "qevict_jax.diagnostics.metrics", "qevict_jax.diagnostics.report",
+        "qevict_jax.diagnostics.run", "qevict_jax.diagnostics.trace",
+    )),
+    # gate training (reads the evaluation's prose as training text)
+    ("gates", ("qevict_jax.train_gates",)),
+    ("cli", ("qevict_jax.cli",)),
+)  # fmt: skip
+"""Every module of the three packages in one layer, bottom first (docs/design.md §2)."""
+
+RUNTIME_SEES_ONLY_THE_PROTOCOL = ("runtime",)
+"""Layers above ``methods`` that may not import a methods-layer module nor a concrete method class (the
+protocol ``kv.KVMethod`` is what they see)."""
+
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    # (importer, imported module or name): a known violation, allowed until the refactor of issue 27 moves it.
+    # prefill.py:22 `from qevict_jax.kv import FullKV`: fit_method runs Full-KV when compressing saves nothing.
+    ("qevict_jax.prefill", "FullKV"): "fit_method falls back to Full-KV",
+    # generate.py:25 `from qevict_jax.kv import FullKV`: Full-KV is the default method of generate,
+    # teacher_forced and lower_prefill, and _continue reads `compressed` off isinstance(method, FullKV).
+    ("qevict_jax.generate", "FullKV"): "Full-KV is the default method",
+}
+
+
+def _layer_of() -> dict[str, int]:
+    out = {}
+    for rank, (_, modules) in enumerate(LAYERS):
+        for m in modules:
+            assert m not in out, f"{m} is in two layers"
+            out[m] = rank
+    return out
+
+
+def _import_edges() -> list[tuple[str, str, int, tuple[str, ...]]]:
+    """(importer, imported module, line, names imported from it) for every import between project modules,
+    with the package ``__init__`` an import of another package's module runs (``_ancestors``)."""
+    modules = _modules()
+    out = []
+    for name, path in modules.items():
+        tree = _parse(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, ()) for a in node.names if a.name in modules]
+            elif isinstance(node, ast.ImportFrom) and node.module in modules:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = tuple(a.name for a, s in zip(node.names, subs, strict=True) if s not in modules)
+                targets = [(s, ()) for s in subs if s in modules] + ([(node.module, names)] if names else [])
+            else:
+                continue
+            for target, names in targets:
+                if target == name:
+                    continue
+                out.append((name, target, node.lineno, names))
+                for package in sorted(_ancestors(target) - _ancestors(name) - {name}):
+                    if package in modules:
+                        out.append((name, package, node.lineno, ()))
+    return out
+
+
+def _concrete_methods() -> set[str]:
+    """Names of the classes that implement a KV method: they define ``decode_attend`` or inherit it from a
+    project class that does (protocols excluded)."""
+    bases: dict[str, list[str]] = {}
+    defines: set[str] = set()
+    protocols: set[str] = set()
+    for path in _modules().values():
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, ast.ClassDef):
+                names = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+                bases[node.name] = names
+                if "Protocol" in names:
+                    protocols.add(node.name)
+                if any(isinstance(f, ast.FunctionDef) and f.name == "decode_attend" for f in node.body):
+                    defines.add(node.name)
+
+    def concrete(cls: str, seen: frozenset = frozenset()) -> bool:
+        if cls in defines:
+            return True
+        return any(concrete(b, seen | {cls}) for b in bases.get(cls, ()) if b in bases and b not in seen)
+
+    return {c for c in bases if c not in protocols and concrete(c)}
+
+
+def _layer_violations() -> list[str]:
+    layer = _layer_of()
+    names = [n for n, _ in LAYERS]
+    methods_rank = names.index("methods")
+    concrete = _concrete_methods()
+    found = []
+    for importer, target, line, imported in _import_edges():
+        a, b = layer[importer], layer[target]
+        where = f"{importer} (line {line})"
+        if b > a and (importer, target) not in EXCEPTIONS:
+            found.append(f"{where} imports {target}: layer {names[a]} imports the higher layer {names[b]}")
+        below_methods = a < methods_rank
+        protocol_only = names[a] in RUNTIME_SEES_ONLY_THE_PROTOCOL
+        if protocol_only and b == methods_rank and (importer, target) not in EXCEPTIONS:
+            found.append(f"{where} imports {target}: the {names[a]} sees methods only through the protocol")
+        for n in imported:
+            if n in concrete and (below_methods or protocol_only) and (importer, n) not in EXCEPTIONS:
+                found.append(f"{where} imports the concrete method {n} from {target} (layer {names[a]})")
+    return found
+
+
+def test_every_module_has_one_layer():
+    layer = _layer_of()
+    modules = set(_modules())
+    assert sorted(modules - set(layer)) == [], "modules without a layer: add them to LAYERS"
+    assert sorted(set(layer) - modules) == [], "LAYERS names modules that do not exist"
+
+
+def test_imports_point_down_the_layers():
+    assert _layer_violations() == []
+
+
+def test_every_layer_exception_is_still_needed():
+    """An exception that no import needs any more is removed, so the list stays the list of what is left."""
+    concrete = _concrete_methods()
+    used = set()
+    for importer, target, _, imported in _import_edges():
+        used.add((importer, target))
+        used |= {(importer, n) for n in imported if n in concrete}
+    assert sorted(set(EXCEPTIONS) - used) == []
+
+
+def test_layer_checks_catch_planted_violations(monkeypatch):
+    """An engine importing a method, the runtime importing a concrete method or the registry: all caught."""
+    planted = [
+        ("qevict_jax.window", "qevict_jax.qevict", 1, ("QEvict",)),
+        ("qevict_jax.decode", "qevict_jax.kv", 2, ("FullKV",)),
+        ("qevict_jax.generate", "qevict_jax.methods", 3, ("make_method",)),
+        ("qevict_jax.config", "qevict_jax.scoring", 4, ("RANKINGS",)),
+    ]
+    monkeypatch.setattr(sys.modules[__name__], "_import_edges", lambda: planted)
+    found = _layer_violations()
+    assert len(found) == 5, found  # the engine's import is both a higher layer and a concrete method
+    assert any("qevict_jax.window (line 1)" in f and "higher layer methods" in f for f in found)
+    assert any("qevict_jax.window (line 1) imports the concrete method QEvict" in f for f in found)
+    assert any("qevict_jax.decode (line 2) imports the concrete method FullKV" in f for f in found)
+    assert any("qevict_jax.generate (line 3)" in f and "only through the protocol" in f for f in found)
+    assert any("qevict_jax.config (line 4)" in f and "higher layer rankings" in f for f in found)
+    assert {"FullKV", "QEvict", "StreamingLLM", "SnapKV", "PyramidKV", "GateQEvict"} <= _concrete_methods()
+    assert "KVMethod" not in _concrete_methods() and "Fanout" not in _concrete_methods()

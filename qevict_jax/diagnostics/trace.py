@@ -83,7 +83,7 @@ def _reference(graphdef, state, tokens, num_steps: int, n_obs: int, kv_dtype, ch
     return cache["prompt"], cache["all"], cache["rows"]
 
 
-_reference_jit = jax.jit(_reference, static_argnums=(0, 3, 4, 5, 6))
+_reference_jit = jax.jit(_reference, static_argnames=("graphdef", "num_steps", "n_obs", "kv_dtype", "chunk"))
 
 
 def reference_trace(
@@ -104,14 +104,9 @@ def reference_trace(
     graphdef, state = nnx.split(model)
     (prompt, prompt_all, rows), _ = EXECUTABLES.run(
         _reference_jit,
-        {0: graphdef, 3: num_steps, 4: n_obs, 5: kv_dtype, 6: chunk},
-        graphdef,
-        state,
-        jnp.asarray(sequences),
-        num_steps,
-        n_obs,
-        kv_dtype,
-        chunk,
+        dict(graphdef=graphdef, num_steps=num_steps, n_obs=n_obs, kv_dtype=kv_dtype, chunk=chunk),
+        state=state,
+        tokens=jnp.asarray(sequences),
     )
     return ReferenceTrace(
         prompt_rows=np.asarray(prompt).swapaxes(0, 1),
@@ -191,8 +186,12 @@ def _policy_interval(graphdef, state, cache, tokens, start, method: KVMethod, nw
     return (cache, pre, *window_view(cache, nw))
 
 
-_policy_prefill_jit = jax.jit(_policy_prefill, static_argnums=(0, 3, 4, 5, 6))
-_policy_interval_jit = jax.jit(_policy_interval, static_argnums=(0, 5, 6), donate_argnums=(2,))
+_policy_prefill_jit = jax.jit(
+    _policy_prefill, static_argnames=("graphdef", "method", "capacity_new", "kv_dtype", "nw")
+)
+_policy_interval_jit = jax.jit(
+    _policy_interval, static_argnames=("graphdef", "method", "nw"), donate_argnames=("cache",)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,14 +245,9 @@ def policy_trace(
     graphdef, state = nnx.split(model)
     (cache, tier0, score0), _ = EXECUTABLES.run(
         _policy_prefill_jit,
-        {0: graphdef, 3: method, 4: g, 5: kv_dtype, 6: nw},
-        graphdef,
-        state,
-        jnp.asarray(sequences[:, :prompt_len]),
-        method,
-        g,
-        kv_dtype,
-        nw,
+        dict(graphdef=graphdef, method=method, capacity_new=g, kv_dtype=kv_dtype, nw=nw),
+        state=state,
+        tokens=jnp.asarray(sequences[:, :prompt_len]),
     )
     caps = cache.caps
     tiers, scores, pre = [np.asarray(tier0)], [np.asarray(score0)], []
@@ -264,14 +258,11 @@ def policy_trace(
         start = jnp.full((b,), prompt_len + s, jnp.int32)
         (cache, sp, tr, sc), _ = EXECUTABLES.run(
             _policy_interval_jit,
-            {0: graphdef, 5: method, 6: nw},
-            graphdef,
-            state,
-            cache,
-            chunk,
-            start,
-            method,
-            nw,
+            dict(graphdef=graphdef, method=method, nw=nw),
+            state=state,
+            cache=cache,
+            tokens=chunk,
+            start=start,
         )
         pre.append(np.asarray(sp))
         tiers.append(np.asarray(tr))
