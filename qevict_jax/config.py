@@ -13,6 +13,9 @@ LAYOUTS = ("tiered", "pool", "local", "keep_all")
 RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv", "gates")
 """The names ``CacheConfig.ranking`` accepts: those of ``scoring.RANKINGS`` (a test holds them equal). The
 configuration names a ranking and does not import the rankings: it sits below them (docs/design.md §2)."""
+LINEAR_RANKINGS = ("cumulative", "cumulative-all", "decayed", "keynorm", "restkv", "gates")
+"""The rankings whose ``update`` is linear in the mass (``ScoreDynamics.linear_in_mass``; a test holds them
+equal): those ``deferred_head_mean`` accepts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +146,8 @@ class CacheConfig:
             raise ValueError(
                 f"deferred_head_mean applies to the window engine's tiered layout, not layout={self.layout!r}"
             )
-        if self.deferred_head_mean and not RANKINGS[self.ranking].linear_in_mass:
-            linear = ", ".join(name for name, cls in RANKINGS.items() if cls.linear_in_mass)
+        if self.deferred_head_mean and self.ranking not in LINEAR_RANKINGS:
+            linear = ", ".join(LINEAR_RANKINGS)
             raise ValueError(
                 f"deferred_head_mean needs a ranking linear in the attention mass (the head mean of running "
                 f"masses must equal the running mass of head means); {self.ranking!r} is not. Linear: {linear}"

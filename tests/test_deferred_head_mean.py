@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import decisive_model, tiny_llama
 
-from qevict_jax.config import CacheConfig
+from qevict_jax.config import LINEAR_RANKINGS, CacheConfig
 from qevict_jax.generate import generate
 from qevict_jax.methods import cache_stats, make_method
 from qevict_jax.sampling import SamplerConfig
@@ -116,3 +116,7 @@ def test_deferred_head_mean_refuses_what_it_cannot_do():
         CacheConfig(layout="pool", window=1, q_frac=0.0, deferred_head_mean=True)
     with pytest.raises(ValueError, match="has no option 'deferred_head_mean'"):
         make_method("snapkv", 0.2, deferred_head_mean=True)
+
+
+def test_config_names_the_linear_rankings():
+    assert tuple(name for name, cls in RANKINGS.items() if cls.linear_in_mass) == LINEAR_RANKINGS
