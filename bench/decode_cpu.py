@@ -25,14 +25,14 @@ import jax
 from models.checkpoint import load_model
 from models.registry import model_source, resolve_model, transformers_args
 from models.tokenizer import Tokenizer
-from qevict_jax.compiled import EXECUTABLES
-from qevict_jax.generate import generate
-from qevict_jax.methods import make_method
+from qevict_jax.eval.needle import needle_prompt_text, needle_sample
+from qevict_jax.methods.qevict import QEvict
+from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
-from qevict_jax.needle import needle_prompt_text, needle_sample
-from qevict_jax.qevict import QEvict
-from qevict_jax.results import GenerationResult
-from qevict_jax.sampling import SamplerConfig
+from qevict_jax.runtime.compiled import EXECUTABLES
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.results import GenerationResult
+from qevict_jax.runtime.sampling import SamplerConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,10 @@ import os
 from models.checkpoint import load_model
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
-from qevict_jax.generate import SamplerConfig, generate
-from qevict_jax.methods import make_method
+from qevict_jax.eval.needle import prose_paragraphs
+from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
-from qevict_jax.needle import prose_paragraphs
+from qevict_jax.runtime.generate import SamplerConfig, generate
 
 
 def main() -> None:

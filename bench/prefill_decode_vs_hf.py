@@ -16,9 +16,9 @@ import numpy as np
 from models.checkpoint import load_model
 from models.registry import model_source, resolve_model, transformers_args
 from models.tokenizer import Tokenizer
-from qevict_jax.generate import SamplerConfig, generate
+from qevict_jax.eval.needle import needle_prompt_text, needle_sample
 from qevict_jax.model_args import add_model_arg
-from qevict_jax.needle import needle_prompt_text, needle_sample
+from qevict_jax.runtime.generate import SamplerConfig, generate
 
 
 def main() -> None:

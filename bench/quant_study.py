@@ -55,12 +55,12 @@ from models.checkpoint import load_model
 from models.registry import DEFAULT_MODEL, resolve_model
 from models.tokenizer import Tokenizer
 from pallas_kernels.quant import quantize_windows
-from qevict_jax.cache import abstract_cache
-from qevict_jax.config import Capacities, ring_capacity
-from qevict_jax.generate import generate
-from qevict_jax.kv import DEFAULT_KV_DTYPE
-from qevict_jax.needle import prose_paragraphs
-from qevict_jax.sampling import SamplerConfig
+from qevict_jax.core.cache import abstract_cache
+from qevict_jax.core.config import Capacities, ring_capacity
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE
+from qevict_jax.eval.needle import prose_paragraphs
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.sampling import SamplerConfig
 
 SINK, WINDOW = 5, 8
 _HALF_LEVELS = {  # Lloyd-Max quantizer of N(0, 1): the positive levels (Max 1960), 4 / 8 / 16 levels

@@ -31,16 +31,16 @@ from flax import nnx
 from models.checkpoint import load_model
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
-from qevict_jax.cache import TieredCache
-from qevict_jax.decode import decode_jit
-from qevict_jax.kv import DEFAULT_KV_DTYPE
-from qevict_jax.methods import make_method
+from qevict_jax.core.cache import TieredCache
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE
+from qevict_jax.engines.routing import ROUTING_CHUNK, finish_row, plan_counts, plan_row
+from qevict_jax.eval.needle import needle_prompt_text, needle_sample
+from qevict_jax.methods.qevict import QEvict
+from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
-from qevict_jax.needle import needle_prompt_text, needle_sample
-from qevict_jax.prefill import pad_prompts, prefill_jit, tokens_for_budget
-from qevict_jax.qevict import QEvict
-from qevict_jax.routing import ROUTING_CHUNK, finish_row, plan_counts, plan_row
-from qevict_jax.sampling import SamplerConfig
+from qevict_jax.runtime.decode import decode_jit
+from qevict_jax.runtime.prefill import pad_prompts, prefill_jit, tokens_for_budget
+from qevict_jax.runtime.sampling import SamplerConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 
-from qevict_jax.generate import generate
-from qevict_jax.methods import make_method
+from qevict_jax.eval.needle import needle_prompt_text, needle_sample
+from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_args, load
-from qevict_jax.needle import needle_prompt_text, needle_sample
-from qevict_jax.sampling import SamplerConfig
-from qevict_jax.streaming import TextStream
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.sampling import SamplerConfig
+from qevict_jax.runtime.streaming import TextStream
 
 
 def main() -> None:

@@ -65,13 +65,13 @@ from models.checkpoint import load_model
 from models.config import ModelConfig
 from models.model import Transformer, uncached_attend
 from models.registry import resolve_model
-from qevict_jax.compiled import EXECUTABLES, bucket_floor, bucket_length, decode_step_collective_bytes
-from qevict_jax.generate import GenerationResult, generate, lower_prefill
-from qevict_jax.kv import KVMethod
-from qevict_jax.methods import make_method
+from qevict_jax.core.kv import KVMethod
+from qevict_jax.core.sharding import make_mesh
+from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
-from qevict_jax.sampling import SamplerConfig
-from qevict_jax.sharding import make_mesh
+from qevict_jax.runtime.compiled import EXECUTABLES, bucket_floor, bucket_length, decode_step_collective_bytes
+from qevict_jax.runtime.generate import GenerationResult, generate, lower_prefill
+from qevict_jax.runtime.sampling import SamplerConfig
 
 LLAMA31_8B = ModelConfig(
     family="llama",

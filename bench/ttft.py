@@ -19,10 +19,10 @@ import numpy as np
 import qevict_jax
 from models.checkpoint import load_model
 from models.registry import resolve_model
-from qevict_jax.generate import generate
-from qevict_jax.methods import make_method
+from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
-from qevict_jax.sampling import SamplerConfig
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.sampling import SamplerConfig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,7 @@ class LayerContext:
     prompt_attention: (out [B, T, H, D], column mass [B, Hkv, G, T]) of the prompt pass when a shared
         prefill already computed it (several methods' caches from one pass), else None.
     hidden: [B, T, Dm] the layer's normed attention input (what q, k, v are projected from), for methods
-        that score tokens from it (learned retention gates, ``qevict_jax.gates``), or None.
+        that score tokens from it (learned retention gates, ``qevict_jax.rankings.gates``), or None.
     """
 
     positions: jax.Array

@@ -171,7 +171,7 @@ def fused_partials(
 ) -> list[Partial]:
     """The (sink, F, Q, local) partials of ``fused_attention`` (its arguments), one Pallas launch per tier,
     before ``merge_tiers``: per (row, KV head), so they run per shard of a mesh as they are
-    (``qevict_jax.sharding.on_shards``)."""
+    (``qevict_jax.core.sharding.on_shards``)."""
     _check_tiers(q, sink, fp, ledger, local)
     opts = dict(interpret=interpret, poison=poison)
     if num_warps is not None:

@@ -245,7 +245,7 @@ def tier_partials(
 ) -> list[Partial]:
     """The (sink, F, Q, local) partials of one query per head q [B, Hkv, G, D] (post-RoPE, unscaled): what
     ``merge_tiers`` combines. Every partial is per (row, KV head), so a shard of rows and KV heads computes
-    its own from its own tiers (``qevict_jax.sharding.on_shards``).
+    its own from its own tiers (``qevict_jax.core.sharding.on_shards``).
 
     sink: [B, Hkv, S, D] tokens; fp: [B, Hkv, NF, W, D] slots (valid per slot, or per token with a sliding
     window); ledger: the Q tier, whose partial ``ledger_attention`` computes (this reference by default, or a

@@ -12,17 +12,23 @@ import numpy as np
 
 from models.convert import convert
 from models.tokenizer import token_index
-from qevict_jax.cache import SinkRingCache
+from qevict_jax.core.cache import SinkRingCache
+from qevict_jax.core.sharding import make_mesh
 from qevict_jax.diagnostics.run import add_diagnose_parser, cmd_diagnose
-from qevict_jax.distributed import env_processes, initialize_from_env, is_main, launch, run_main
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
-from qevict_jax.generate import SamplerConfig, generate
-from qevict_jax.methods import available_methods, cache_stats, make_method, options_for, parse_set_options
+from qevict_jax.eval.needle import needle_correct, needle_prompt_text, needle_sample
+from qevict_jax.methods.registry import (
+    available_methods,
+    cache_stats,
+    make_method,
+    options_for,
+    parse_set_options,
+)
 from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
-from qevict_jax.needle import needle_correct, needle_prompt_text, needle_sample
-from qevict_jax.sharding import make_mesh
-from qevict_jax.streaming import TextStream
-from qevict_jax.train_gates import TrainConfig, load_text, train
+from qevict_jax.runtime.distributed import env_processes, initialize_from_env, is_main, launch, run_main
+from qevict_jax.runtime.generate import SamplerConfig, generate
+from qevict_jax.runtime.streaming import TextStream
+from qevict_jax.training.train_gates import TrainConfig, load_text, train
 
 
 def _add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:

@@ -8,7 +8,7 @@ holds the model and its tokenizer.
 
 A method is a ``KVMethod`` object, a registry name, or a spec string ``"name[:budget][,option=value...]"``
 (``"qevict:0.2,n_obs=64"``, ``"snapkv:0.1"``, ``"full"``); ``budget=`` and keyword options apply to a name or
-spec (a spec's own values win). Everything runs through ``qevict_jax.generate.generate``.
+spec (a spec's own values win). Everything runs through ``qevict_jax.runtime.generate.generate``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import jax.numpy as jnp
 from models.checkpoint import load_model
 from models.registry import DEFAULT_MODEL, resolve_model
 from models.tokenizer import Tokenizer
-from qevict_jax.generate import generate
-from qevict_jax.kv import DEFAULT_KV_DTYPE, KVMethod
-from qevict_jax.methods import make_method, parse_option_value
-from qevict_jax.results import GenerationResult
-from qevict_jax.sampling import SamplerConfig
-from qevict_jax.streaming import TextStream
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod
+from qevict_jax.methods.registry import make_method, parse_option_value
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.results import GenerationResult
+from qevict_jax.runtime.sampling import SamplerConfig
+from qevict_jax.runtime.streaming import TextStream
 
 Messages = Sequence[Mapping[str, str]]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from qevict_jax import generate
+from qevict_jax.runtime import generate
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,5 +1,5 @@
 """One process of a multi-process generation, run by ``tests/test_multihost.py`` (through
-``qevict_jax.distributed.launch``, which sets the ``QEVICT_*`` environment variables and the fake CPU device
+``qevict_jax.runtime.distributed.launch``, which sets the ``QEVICT_*`` environment variables and the fake CPU device
 count of each process), or alone as the one-process reference.
 
 It joins the ``jax.distributed`` job (``initialize_from_env``; none when run alone), then generates with
@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from tiny import decisive_model, tiny_llama
 
-from qevict_jax.distributed import initialize_from_env, is_main, run_main
-from qevict_jax.generate import generate
-from qevict_jax.methods import cache_stats, make_method
-from qevict_jax.sampling import SamplerConfig
-from qevict_jax.sharding import make_mesh
+from qevict_jax.core.sharding import make_mesh
+from qevict_jax.methods.registry import cache_stats, make_method
+from qevict_jax.runtime.distributed import initialize_from_env, is_main, run_main
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.sampling import SamplerConfig
 
 TINY = tiny_llama(1024)
 METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16)}

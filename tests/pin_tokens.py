@@ -6,7 +6,7 @@
                                                       # to write when a method's two runs differ
     .venv/bin/python tests/pin_tokens.py --out F.json # one run, its measurements written to F.json
 
-The prompt is the ``qevict needle`` prompt (``qevict_jax.needle``: pydoc prose, one needle at half depth, the
+The prompt is the ``qevict needle`` prompt (``qevict_jax.eval.needle``: pydoc prose, one needle at half depth, the
 question, the chat template and the answer prefix) for seed 0 and a 1,900-token haystack: 1,984 tokens of
 SmolLM2-135M-Instruct. Every method runs from one shared prompt pass (``generate.generate_shared``, as the
 evaluation runs them), with 10 new tokens; Full-KV and the default QEvict also run through ``generate`` on
@@ -37,11 +37,11 @@ import jax
 from models.checkpoint import load_model
 from models.registry import cache_root, resolve_model
 from models.tokenizer import Tokenizer
-from qevict_jax.cache import SinkRingCache
-from qevict_jax.gates import UNTRAINED
-from qevict_jax.generate import SamplerConfig, generate, generate_shared
-from qevict_jax.methods import available_methods, cache_stats, default_method, make_method
-from qevict_jax.needle import needle_prompt_text, needle_sample
+from qevict_jax.core.cache import SinkRingCache
+from qevict_jax.eval.needle import needle_prompt_text, needle_sample
+from qevict_jax.methods.registry import available_methods, cache_stats, default_method, make_method
+from qevict_jax.rankings.gates import UNTRAINED
+from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = Path(__file__).resolve().parent / "data" / "token_pins.json"

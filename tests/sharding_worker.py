@@ -32,11 +32,11 @@ import numpy as np  # noqa: E402
 from tiny import decisive_model, tiny_llama  # noqa: E402
 
 from pallas_kernels.dispatch import use_cpu_kernel  # noqa: E402
-from qevict_jax.compiled import EXECUTABLES, decode_loop_collectives, decode_step_collective_bytes  # noqa: E402
-from qevict_jax.generate import generate  # noqa: E402
-from qevict_jax.methods import cache_stats, make_method  # noqa: E402
-from qevict_jax.sampling import SamplerConfig  # noqa: E402
-from qevict_jax.sharding import make_mesh, param_specs  # noqa: E402
+from qevict_jax.core.sharding import make_mesh, param_specs  # noqa: E402
+from qevict_jax.methods.registry import cache_stats, make_method  # noqa: E402
+from qevict_jax.runtime.compiled import EXECUTABLES, decode_loop_collectives, decode_step_collective_bytes  # noqa: E402
+from qevict_jax.runtime.generate import generate  # noqa: E402
+from qevict_jax.runtime.sampling import SamplerConfig  # noqa: E402
 
 TINY = tiny_llama(1024)
 MESHES = [(2, 2), (1, 4), (2, 4)]

@@ -13,13 +13,13 @@ from models.attention import chunked_attention
 from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.quant import rope_windows
-from qevict_jax.attention_scores import restkv_scores
-from qevict_jax.budget import pyramid_layer_caps
-from qevict_jax.cache import ring_positions, ring_valid
-from qevict_jax.kv import full_kv_bytes
-from qevict_jax.methods import make_method
-from qevict_jax.scoring import Ranking, make_ranking, window_sums
-from qevict_jax.window import prefill_layer
+from qevict_jax.core.budget import pyramid_layer_caps
+from qevict_jax.core.cache import ring_positions, ring_valid
+from qevict_jax.core.kv import full_kv_bytes
+from qevict_jax.engines.window import prefill_layer
+from qevict_jax.methods.registry import make_method
+from qevict_jax.rankings.attention_scores import restkv_scores
+from qevict_jax.rankings.scoring import Ranking, make_ranking, window_sums
 
 MODEL = ModelConfig(
     family="llama",

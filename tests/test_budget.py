@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import pytest
 
 from models.config import ModelConfig
-from qevict_jax import config, scoring
-from qevict_jax.budget import solve_capacities
-from qevict_jax.config import CacheConfig
-from qevict_jax.kv import cache_nbytes, full_kv_bytes
-from qevict_jax.methods import available_methods, make_method
+from qevict_jax.core import config
+from qevict_jax.core.budget import solve_capacities
+from qevict_jax.core.config import CacheConfig
+from qevict_jax.core.kv import cache_nbytes, full_kv_bytes
+from qevict_jax.methods.registry import available_methods, make_method
+from qevict_jax.rankings import scoring
 
 MODEL = ModelConfig(
     family="llama",

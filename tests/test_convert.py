@@ -27,7 +27,7 @@ from models.config import ModelConfig, UnsupportedModelError
 from models.convert import PARAM_TABLE, CorruptCheckpointError, convert, unpermute_rows
 from models.model import param_shapes
 from models.tokenizer import Tokenizer
-from qevict_jax.needle import needle_prompt_text, needle_sample
+from qevict_jax.eval.needle import needle_prompt_text, needle_sample
 
 SEQ = 80  # longer than the Mistral sliding window (24) and the Llama-3 original context (64)
 KINDS_GGUF = ["llama3", "llama_tied", "qwen2", "qwen3"]

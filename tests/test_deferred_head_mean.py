@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import decisive_model, tiny_llama
 
-from qevict_jax.config import LINEAR_RANKINGS, CacheConfig
-from qevict_jax.generate import generate
-from qevict_jax.methods import cache_stats, make_method
-from qevict_jax.sampling import SamplerConfig
-from qevict_jax.scoring import RANKINGS, make_ranking
-from qevict_jax.window import fold_head_means
+from qevict_jax.core.config import LINEAR_RANKINGS, CacheConfig
+from qevict_jax.engines.window import fold_head_means
+from qevict_jax.methods.registry import cache_stats, make_method
+from qevict_jax.rankings.scoring import RANKINGS, make_ranking
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.sampling import SamplerConfig
 
 TINY = tiny_llama(1024)
 # every ranking whose instances need nothing learned (the gates ranking needs trained gates)

@@ -18,7 +18,7 @@ from qevict_jax.diagnostics.report import passage_metrics
 from qevict_jax.diagnostics.run import cmd_diagnose
 from qevict_jax.diagnostics.trace import passages, policy_trace, reference_trace, window_mass
 from qevict_jax.eval.testing import ByteTokenizer, tiny_model
-from qevict_jax.methods import make_method
+from qevict_jax.methods.registry import make_method
 
 # ---------------------------------------------------------------------------------------------- tier mass
 

@@ -11,7 +11,7 @@ import pytest
 
 from qevict_jax.eval.cli import DEFAULT_METHODS, add_eval_parser, build_parser, run_eval
 from qevict_jax.eval.testing import EOS, ByteTokenizer, tiny_model
-from qevict_jax.generate import GenerationResult, generate
+from qevict_jax.runtime.generate import GenerationResult, generate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOK = ByteTokenizer()

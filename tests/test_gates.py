@@ -14,13 +14,13 @@ from tiny import decisive_model, roomy_method
 
 from models.attention import chunked_attention, dense_attention
 from models.config import ModelConfig
-from qevict_jax import gates as gt
-from qevict_jax import train_gates as tg
 from qevict_jax.cli import build_parser, run_train_gates
 from qevict_jax.eval.testing import ByteTokenizer, tiny_model
-from qevict_jax.gate_methods import GATE_METHODS
-from qevict_jax.generate import SamplerConfig, generate, teacher_forced
-from qevict_jax.methods import make_method
+from qevict_jax.methods.gate_methods import GATE_METHODS
+from qevict_jax.methods.registry import make_method
+from qevict_jax.rankings import gates as gt
+from qevict_jax.runtime.generate import SamplerConfig, generate, teacher_forced
+from qevict_jax.training import train_gates as tg
 
 CFG = ModelConfig(
     family="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,

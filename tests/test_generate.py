@@ -10,10 +10,10 @@ from tiny import decisive_model, roomy_method
 
 from models.config import ModelConfig
 from models.model import Transformer
-from qevict_jax import generate as gen
-from qevict_jax.compiled import ExecutableCache, bucket_floor, bucket_length
-from qevict_jax.generate import generate
-from qevict_jax.sampling import SamplerConfig, sample
+from qevict_jax.runtime import generate as gen
+from qevict_jax.runtime.compiled import ExecutableCache, bucket_floor, bucket_length
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.sampling import SamplerConfig, sample
 
 TINY = ModelConfig(
     family="llama",
@@ -51,7 +51,7 @@ def test_cached_decoding_equals_uncached_forward(model):
 
 def test_cached_logits_equal_uncached_logits_every_step(model):
     """Decode-step logits of the Full-KV cache equal the uncached forward's logits at every position."""
-    from qevict_jax.kv import FullKV
+    from qevict_jax.core.kv import FullKV
 
     rs = np.random.RandomState(1)
     seq = rs.randint(0, TINY.vocab_size, 40)
@@ -178,7 +178,7 @@ def test_top_p_sampling_keeps_the_nucleus():
 
 def test_teacher_forced_logprobs_equal_uncached_forward(model):
     """Teacher-forced Full-KV log-probs equal log_softmax of the uncached forward over prompt + targets."""
-    from qevict_jax.generate import teacher_forced
+    from qevict_jax.runtime.generate import teacher_forced
 
     rs = np.random.RandomState(4)
     prompt = list(rs.randint(0, TINY.vocab_size, 30))

@@ -6,15 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qevict_jax.generate import SamplerConfig, generate, teacher_forced
-from qevict_jax.methods import make_method
+from qevict_jax.methods.registry import make_method
+from qevict_jax.runtime.generate import SamplerConfig, generate, teacher_forced
 
 
 @pytest.mark.slow
 def test_smollm2_generation_with_forced_kernel_matches_reference(smollm2_dir):
     from models.checkpoint import load_model
     from models.tokenizer import Tokenizer
-    from qevict_jax.needle import prose_paragraphs
+    from qevict_jax.eval.needle import prose_paragraphs
 
     _, model = load_model(smollm2_dir)
     tok = Tokenizer.from_dir(smollm2_dir)

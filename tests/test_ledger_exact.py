@@ -19,9 +19,9 @@ import pytest
 from test_routing import reference_assignment
 
 from models.config import ModelConfig
-from qevict_jax.cache import init_cache
-from qevict_jax.config import Capacities, ring_capacity
-from qevict_jax.routing import (
+from qevict_jax.core.cache import init_cache
+from qevict_jax.core.config import Capacities, ring_capacity
+from qevict_jax.engines.routing import (
     apply_plan,
     dequantize_windows,
     plan_counts,

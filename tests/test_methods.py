@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from tiny import decisive_model, roomy_method
 
-from qevict_jax import generate as gen
-from qevict_jax.cache import TieredCache
-from qevict_jax.compiled import bucket_floor, bucket_length
-from qevict_jax.gates import UNTRAINED
-from qevict_jax.generate import SamplerConfig, generate
-from qevict_jax.kv import full_kv_bytes
-from qevict_jax.methods import available_methods, default_method, make_method
-from qevict_jax.qevict import VARIANTS
+from qevict_jax.core.cache import TieredCache
+from qevict_jax.core.kv import full_kv_bytes
+from qevict_jax.methods.qevict import VARIANTS
+from qevict_jax.methods.registry import available_methods, default_method, make_method
+from qevict_jax.rankings.gates import UNTRAINED
+from qevict_jax.runtime import generate as gen
+from qevict_jax.runtime.compiled import bucket_floor, bucket_length
+from qevict_jax.runtime.generate import SamplerConfig, generate
 
 BETA = 0.4
 NEW = 8
@@ -27,7 +27,7 @@ PROMPT = 380  # a second prompt of 370 tokens falls in the same bucket
 def smol(smollm2_dir):
     from models.checkpoint import load_model
     from models.tokenizer import Tokenizer
-    from qevict_jax.needle import prose_paragraphs
+    from qevict_jax.eval.needle import prose_paragraphs
 
     _, model = load_model(smollm2_dir)
     tok = Tokenizer.from_dir(smollm2_dir)
@@ -107,7 +107,7 @@ def test_every_method_with_room_for_everything_equals_full_kv(name):
     teacher-forced log-probabilities equal Full-KV's (KIVI quantizes regardless of budget: excluded)."""
 
     from models.config import ModelConfig
-    from qevict_jax.generate import teacher_forced
+    from qevict_jax.runtime.generate import teacher_forced
 
     cfg = ModelConfig(
         family="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,

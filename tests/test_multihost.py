@@ -1,4 +1,4 @@
-"""Generation across processes (``qevict_jax.distributed``): two local processes with 4 fake CPU devices
+"""Generation across processes (``qevict_jax.runtime.distributed``): two local processes with 4 fake CPU devices
 each, one ``jax.distributed`` job (gloo collectives) on a 2 x 4 mesh ("data" across the processes, "model"
 within each), give what one process on one device gives; a process that fails stops the others.
 
@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from qevict_jax.distributed import COORDINATOR, HEARTBEAT, NUM_PROCESSES, PROCESS_ID, free_port, launch
+from qevict_jax.runtime.distributed import (
+    COORDINATOR,
+    HEARTBEAT,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    free_port,
+    launch,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -95,7 +102,7 @@ def test_a_failing_process_stops_the_others_through_the_launcher(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys; from qevict_jax.distributed import launch; "
+            "import sys; from qevict_jax.runtime.distributed import launch; "
             f"sys.exit(launch([sys.executable, {str(WORKER)!r}, '--mesh', '2x4', '--out', "
             f"{str(tmp_path / 'x.json')!r}, '--fail-process', '1'], processes=2, devices_per_process=4))",
         ],

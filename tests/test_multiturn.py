@@ -11,8 +11,7 @@ from tiny import decisive_model, roomy_method
 
 from models.config import ModelConfig
 from models.model import Transformer
-from qevict_jax.generate import SamplerConfig, generate, generate_shared
-from qevict_jax.methods import (
+from qevict_jax.methods.registry import (
     available_methods,
     default_method,
     make_method,
@@ -20,6 +19,7 @@ from qevict_jax.methods import (
     options_for,
     parse_set_options,
 )
+from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared
 
 TINY = ModelConfig(
     family="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import qevict_jax
-from qevict_jax.generate import generate
-from qevict_jax.kv import FullKV
+from qevict_jax.core.kv import FullKV
 from qevict_jax.pipeline import parse_method_spec, resolve_method
+from qevict_jax.runtime.generate import generate
 
 
 @pytest.mark.parametrize(

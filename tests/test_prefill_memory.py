@@ -20,9 +20,9 @@ from tiny import load_bench, tiny_llama
 
 from models.config import ModelConfig
 from models.model import Transformer, param_shapes
-from qevict_jax.generate import lower_prefill
-from qevict_jax.methods import make_method
-from qevict_jax.sampling import SamplerConfig
+from qevict_jax.methods.registry import make_method
+from qevict_jax.runtime.generate import lower_prefill
+from qevict_jax.runtime.sampling import SamplerConfig
 
 throughput = load_bench("throughput")
 

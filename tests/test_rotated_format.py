@@ -30,11 +30,11 @@ from pallas_kernels.quant import (
     unpack_tokens,
 )
 from pallas_kernels.reference import QuantTier, ledger_partial
-from qevict_jax.cache import abstract_cache
-from qevict_jax.config import CacheConfig, Capacities, ring_capacity
-from qevict_jax.generate import generate
-from qevict_jax.kv import FullKV
-from qevict_jax.sampling import SamplerConfig
+from qevict_jax.core.cache import abstract_cache
+from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
+from qevict_jax.core.kv import FullKV
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.sampling import SamplerConfig
 
 FORMATS = [RotatedTokens(4, 3), RotatedTokens(4, 4), RotatedTokens(4, 2), RotatedTokens(2, 2)]
 

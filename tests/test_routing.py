@@ -13,10 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.config import ModelConfig
-from qevict_jax.cache import init_cache
-from qevict_jax.config import Capacities, ring_capacity
-from qevict_jax.routing import ROUTING_CHUNK, plan_counts, plan_routing, plan_row, route_row, route_stacked
-from qevict_jax.scoring import Ranking
+from qevict_jax.core.cache import init_cache
+from qevict_jax.core.config import Capacities, ring_capacity
+from qevict_jax.engines.routing import (
+    ROUTING_CHUNK,
+    plan_counts,
+    plan_routing,
+    plan_row,
+    route_row,
+    route_stacked,
+)
+from qevict_jax.rankings.scoring import Ranking
 
 # (NF, NL, NQ, K): F slots, ledger slots, max active Q, candidates per event
 SHAPES = [(3, 5, 3, 2), (0, 4, 4, 2), (4, 0, 0, 3), (2, 6, 3, 4), (5, 3, 3, 1)]

@@ -9,10 +9,10 @@ import pytest
 
 from models.config import ModelConfig
 from models.model import LayerContext
-from qevict_jax import attention_scores, scoring
-from qevict_jax.methods import make_method
-from qevict_jax.pool import Allocation
-from qevict_jax.scoring import (
+from qevict_jax.engines.pool import Allocation
+from qevict_jax.methods.registry import make_method
+from qevict_jax.rankings import attention_scores, scoring
+from qevict_jax.rankings.scoring import (
     CriticalKVRanking,
     CumulativeAllRanking,
     GateRanking,

@@ -1,4 +1,4 @@
-"""Sharded generation (``qevict_jax.sharding``): the same tokens and memory on a device mesh as on one device.
+"""Sharded generation (``qevict_jax.core.sharding``): the same tokens and memory on a device mesh as on one device.
 
 The multi-device checks run ``tests/sharding_worker.py`` in a subprocess with 8 fake CPU devices (this
 process's backend already started with one); the layout, 1 x 1 mesh and compile-count checks run here.
@@ -22,13 +22,13 @@ from tiny import decisive_model, tiny_llama
 
 from models.model import Transformer
 from pallas_kernels.dispatch import use_cpu_kernel
-from qevict_jax import generate as gen
-from qevict_jax.decode import decode_jit
-from qevict_jax.generate import generate
-from qevict_jax.kv import FullCache
-from qevict_jax.methods import cache_stats, make_method
-from qevict_jax.sampling import SamplerConfig
-from qevict_jax.sharding import CACHE_LAYOUTS, HEADS, cache_specs, make_mesh, param_specs
+from qevict_jax.core.kv import FullCache
+from qevict_jax.core.sharding import CACHE_LAYOUTS, HEADS, cache_specs, make_mesh, param_specs
+from qevict_jax.methods.registry import cache_stats, make_method
+from qevict_jax.runtime import generate as gen
+from qevict_jax.runtime.decode import decode_jit
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.sampling import SamplerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("sharding_worker.py")

@@ -11,12 +11,12 @@ from flax import nnx
 from tiny import tiny_llama
 
 from models.model import Transformer
-from qevict_jax.compiled import EXECUTABLES, bucket_length
-from qevict_jax.generate import generate, lower_prefill
-from qevict_jax.kv import FullKV
-from qevict_jax.methods import make_method
-from qevict_jax.prefill import fit_method
-from qevict_jax.sampling import SamplerConfig
+from qevict_jax.core.kv import FullKV
+from qevict_jax.methods.registry import make_method
+from qevict_jax.runtime.compiled import EXECUTABLES, bucket_length
+from qevict_jax.runtime.generate import generate, lower_prefill
+from qevict_jax.runtime.prefill import fit_method
+from qevict_jax.runtime.sampling import SamplerConfig
 
 CFG = tiny_llama(4096)
 SAMPLER = SamplerConfig(max_new_tokens=8)

@@ -13,10 +13,10 @@ from tiny import decisive_model, tiny_llama
 
 from models.model import Transformer
 from qevict_jax.cli import build_parser, cmd_generate
-from qevict_jax.compiled import EXECUTABLES
-from qevict_jax.generate import SamplerConfig, generate, generate_shared
-from qevict_jax.methods import make_method
-from qevict_jax.streaming import TextStream
+from qevict_jax.methods.registry import make_method
+from qevict_jax.runtime.compiled import EXECUTABLES
+from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared
+from qevict_jax.runtime.streaming import TextStream
 
 TINY = tiny_llama(1024)
 

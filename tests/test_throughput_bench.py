@@ -10,8 +10,8 @@ from flax import nnx
 from tiny import load_bench, tiny_llama
 
 from models.model import Transformer
-from qevict_jax.methods import make_method
-from qevict_jax.sampling import SamplerConfig
+from qevict_jax.methods.registry import make_method
+from qevict_jax.runtime.sampling import SamplerConfig
 
 throughput = load_bench("throughput")
 

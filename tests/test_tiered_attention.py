@@ -18,12 +18,12 @@ from models.config import ModelConfig
 from models.model import LayerContext, Transformer
 from pallas_kernels.quant import ChannelKeys, QuantizedWindows
 from pallas_kernels.reference import QuantTier, ledger_partial
-from qevict_jax.cache import init_cache
-from qevict_jax.config import CacheConfig, Capacities, ring_capacity
-from qevict_jax.kv import FullKV
-from qevict_jax.methods import cache_stats, make_method
-from qevict_jax.scoring import Ranking
-from qevict_jax.window import decode_layer, prefill_layer, tier_attention
+from qevict_jax.core.cache import init_cache
+from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
+from qevict_jax.core.kv import FullKV
+from qevict_jax.engines.window import decode_layer, prefill_layer, tier_attention
+from qevict_jax.methods.registry import cache_stats, make_method
+from qevict_jax.rankings.scoring import Ranking
 
 MODEL = ModelConfig(
     family="llama",

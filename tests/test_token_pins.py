@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pin_tokens import NEW_TOKENS, SKIPPED
 
-from qevict_jax.methods import available_methods
+from qevict_jax.methods.registry import available_methods
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "pin_tokens.py"

@@ -15,8 +15,8 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.model import Transformer
-from qevict_jax.kv import full_kv_bytes
-from qevict_jax.methods import make_method
+from qevict_jax.core.kv import full_kv_bytes
+from qevict_jax.methods.registry import make_method
 
 ROOT = Path(__file__).resolve().parent.parent
 

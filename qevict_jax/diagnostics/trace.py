@@ -29,15 +29,15 @@ from flax import nnx
 
 from models.attention import chunked_attention
 from models.model import LayerContext, Transformer
-from qevict_jax.attention_scores import observation_mass
-from qevict_jax.cache import TieredCache
-from qevict_jax.compiled import EXECUTABLES
-from qevict_jax.config import num_windows
+from qevict_jax.core.cache import TieredCache
+from qevict_jax.core.config import num_windows
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod
 from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
+from qevict_jax.engines.window import fold_head_means
 from qevict_jax.eval.fidelity import fidelity_sample
-from qevict_jax.kv import DEFAULT_KV_DTYPE, KVMethod
-from qevict_jax.scoring import Ranking
-from qevict_jax.window import fold_head_means
+from qevict_jax.rankings.attention_scores import observation_mass
+from qevict_jax.rankings.scoring import Ranking
+from qevict_jax.runtime.compiled import EXECUTABLES
 
 # ---------------------------------------------------------------------------------------------- reference
 

@@ -34,7 +34,7 @@ from qevict_jax.eval.sweep import (
     paired_rows,
     run_sweep,
 )
-from qevict_jax.methods import parse_set_options
+from qevict_jax.methods.registry import parse_set_options
 from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
 
 DEFAULT_METHODS = "full,streamingllm,h2o,snapkv,kivi2,r2,qevict"

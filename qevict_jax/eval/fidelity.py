@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qevict_jax.needle import prose_paragraphs
+from qevict_jax.eval.needle import prose_paragraphs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import re
 import uuid
 from collections.abc import Sequence
 
-from qevict_jax.needle import prose_paragraphs
+from qevict_jax.eval.needle import prose_paragraphs
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."

@@ -10,9 +10,9 @@ ranking (``ScoreDynamics``) provides:
 and one or both of the prompt-time scores:
 
 - ``prefill_window_scores(...)`` [B, NW]: head-mean score of every prompt window, for the window engine
-  (``qevict_jax.window``: QEvict and its variants) — every ``Ranking``;
+  (``qevict_jax.engines.window``: QEvict and its variants) — every ``Ranking``;
 - ``prefill_token_scores(...)`` [B, Hkv, T]: per-KV-head score of every prompt token, for the token pool
-  (``qevict_jax.pool``: the per-head eviction baselines, whose policy is one of these rankings plus an
+  (``qevict_jax.engines.pool``: the per-head eviction baselines, whose policy is one of these rankings plus an
   allocation rule, ``pool.Allocation``) — the rankings marked *token* below (``TokenRanking``).
 
 Rankings: "cumulative" (sum of mass, initialized from the observation window: the last ``n_obs`` prompt
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from models.model import LayerContext
-from qevict_jax.attention_scores import (
+from qevict_jax.rankings.attention_scores import (
     criticalkv_scores,
     observation_attention,
     observation_mass,
@@ -112,7 +112,7 @@ class ScoreDynamics:
 
 
 class TokenRanking(Protocol):
-    """What the token pool (``qevict_jax.pool``) needs of a ranking: its dynamics and per-head token scores."""
+    """What the token pool (``qevict_jax.engines.pool``) needs of a ranking: its dynamics and per-head token scores."""
 
     shared_heads: ClassVar[bool]
 
@@ -327,7 +327,7 @@ def window_ages(win: jax.Array, length: jax.Array, sink: int, window: int) -> ja
 
 @dataclasses.dataclass(frozen=True)
 class GateRanking(Ranking):
-    """Learned retention gates (TRIM-KV, arXiv 2512.03324; ``qevict_jax.gates``): no attention at all.
+    """Learned retention gates (TRIM-KV, arXiv 2512.03324; ``qevict_jax.rankings.gates``): no attention at all.
 
     A token's retention at time t is ``beta^(t - pos)``; a window's *key* is the largest, over its tokens,
     of the head-mean log beta (a window is worth its best token; the tiers are shared by the KV heads), and

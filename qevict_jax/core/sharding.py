@@ -46,8 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from pallas_kernels.quant import QuantizedWindows
-from qevict_jax.cache import Ledger, PoolCache, SinkRingCache, TieredCache
-from qevict_jax.kv import FullCache
+from qevict_jax.core.cache import Ledger, PoolCache, SinkRingCache, TieredCache
+from qevict_jax.core.kv import FullCache
 
 DATA, MODEL = "data", "model"
 

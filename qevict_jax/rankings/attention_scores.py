@@ -1,4 +1,4 @@
-"""The published prompt-time attention scores the rankings are built from (``qevict_jax.scoring``).
+"""The published prompt-time attention scores the rankings are built from (``qevict_jax.rankings.scoring``).
 
 The observation window's attention (the last ``n_obs`` prompt queries: ``observation_attention``, head-mean rows
 ``observation_mass``), SnapKV's pooled scores, ReST-KV's output-change scores and CriticalKV's value-aware

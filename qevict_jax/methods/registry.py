@@ -1,7 +1,7 @@
 """The registry of KV methods the CLI, the evaluation and the tests read, and their options.
 
-Full-KV (``qevict_jax.kv``), QEvict and its variants (``qevict_jax.qevict``), every baseline
-(``qevict_jax.baselines``) and the learned-gate methods (``qevict_jax.gate_methods``);
+Full-KV (``qevict_jax.core.kv``), QEvict and its variants (``qevict_jax.methods.qevict``), every baseline
+(``qevict_jax.methods.baselines``) and the learned-gate methods (``qevict_jax.methods.gate_methods``);
 ``make_method(name, budget, **options)`` is the one way to build one.
 """
 
@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from qevict_jax.baselines import BASELINES
-from qevict_jax.cache import SinkRingCache, TieredCache
-from qevict_jax.config import CacheConfig
-from qevict_jax.gate_methods import GATE_METHODS
-from qevict_jax.kv import FullKV, KVMethod
-from qevict_jax.qevict import VARIANTS, QEvict
-from qevict_jax.sharding import to_host
+from qevict_jax.core.cache import SinkRingCache, TieredCache
+from qevict_jax.core.config import CacheConfig
+from qevict_jax.core.kv import FullKV, KVMethod
+from qevict_jax.core.sharding import to_host
+from qevict_jax.methods.baselines import BASELINES
+from qevict_jax.methods.gate_methods import GATE_METHODS
+from qevict_jax.methods.qevict import VARIANTS, QEvict
 
 
 def available_methods() -> list[str]:

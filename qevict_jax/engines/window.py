@@ -1,5 +1,5 @@
 """The window engine (QEvict, R1-R4, StreamingLLM, KIVI): prefill compression into the F and Q tiers and
-decode attention over sink | F | Q | ring (docs/design.md §6-§7); routing between the tiers is ``qevict_jax.routing``.
+decode attention over sink | F | Q | ring (docs/design.md §6-§7); routing between the tiers is ``qevict_jax.engines.routing``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from models.model import LayerContext
 from pallas_kernels.dispatch import ledger_attention
 from pallas_kernels.fused_attention import fused_partials
 from pallas_kernels.reference import DenseTier, Partial, QuantTier, TierAttention, merge_tiers, tier_partials
-from qevict_jax.cache import (
+from qevict_jax.core.cache import (
     TieredCache,
     fill_sink_and_ring,
     ring_positions,
@@ -22,10 +22,10 @@ from qevict_jax.cache import (
     window_mask,
     write_token,
 )
-from qevict_jax.config import CacheConfig
-from qevict_jax.routing import RoutingPlan, apply_plan, compact, plan_for_row
-from qevict_jax.scoring import Ranking
-from qevict_jax.sharding import REPLICATED, ROW_HEADS, ROWS, on_shards
+from qevict_jax.core.config import CacheConfig
+from qevict_jax.core.sharding import REPLICATED, ROW_HEADS, ROWS, on_shards
+from qevict_jax.engines.routing import RoutingPlan, apply_plan, compact, plan_for_row
+from qevict_jax.rankings.scoring import Ranking
 
 # ---------------------------------------------------------------------------------------------- prefill
 

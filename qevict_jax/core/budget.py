@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from qevict_jax.cache import abstract_cache
-from qevict_jax.config import CacheConfig, Capacities, num_windows, ring_capacity
-from qevict_jax.kv import full_kv_bytes
+from qevict_jax.core.cache import abstract_cache
+from qevict_jax.core.config import CacheConfig, Capacities, num_windows, ring_capacity
+from qevict_jax.core.kv import full_kv_bytes
 
 
 def resolve_recent(cfg: CacheConfig, budget_tokens_capacity: float) -> int:

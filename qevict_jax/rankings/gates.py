@@ -4,7 +4,7 @@ One gate per layer reads the layer's normed attention input ``h`` [B, T, Dm] (``
 
     log beta = log_sigmoid(SiLU(h W1 + b1) W2 + b2)       W1 [Dm, 512], W2 [512, Hkv], b2 initialized to 10
 
-one retention ``beta_i`` in (0, 1) per token and KV head. Training (``qevict_jax.train_gates``) adds
+one retention ``beta_i`` in (0, 1) per token and KV head. Training (``qevict_jax.training.train_gates``) adds
 ``(t - i) log beta_i`` to the attention logits of key i at query t (attention weighted by ``beta_i^(t-i)``);
 at inference a token's score at time t is ``(t - pos_i) log beta_i`` (the log of its retained weight):
 higher = keep. Parameters are stacked on a leading layer axis, like the decoder's.

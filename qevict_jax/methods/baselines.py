@@ -38,12 +38,12 @@ import jax
 import jax.numpy as jnp
 
 from models.model import LayerContext
-from qevict_jax.budget import keep_all_capacities, solve_local_capacities, solve_pool_capacities
-from qevict_jax.cache import PoolCache, SizedByCapacities
-from qevict_jax.config import CacheConfig, Capacities, num_windows
-from qevict_jax.pool import UNIFORM, Allocation, pool_decode_layer, pool_prefill_layer, route_pool_row
-from qevict_jax.qevict import QEvict
-from qevict_jax.scoring import (
+from qevict_jax.core.budget import keep_all_capacities, solve_local_capacities, solve_pool_capacities
+from qevict_jax.core.cache import PoolCache, SizedByCapacities
+from qevict_jax.core.config import CacheConfig, Capacities, num_windows
+from qevict_jax.engines.pool import UNIFORM, Allocation, pool_decode_layer, pool_prefill_layer, route_pool_row
+from qevict_jax.methods.qevict import QEvict
+from qevict_jax.rankings.scoring import (
     CriticalKVRanking,
     CumulativeAllRanking,
     KeyNormRanking,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from qevict_jax.kv import DEFAULT_KV_DTYPE
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """The token-pool engine of the per-head eviction baselines (H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV,
 CriticalKV, ReST-KV): sinks, the ring, and a pool of token slots each owned by one KV head, so that every
 head keeps its own tokens (uniform, layer-varying or head-adaptive budgets) while the memory is the pool
-itself, sized by the budget. A policy (``qevict_jax.baselines``) is a ranking (``scoring.TokenRanking``: the
+itself, sized by the budget. A policy (``qevict_jax.methods.baselines``) is a ranking (``scoring.TokenRanking``: the
 per-head token scores of the prompt and their decode-time update, the same objects the window engine ranks
 its windows with) and an allocation rule (``Allocation``: how the slots go to the heads and the layers).
 """
@@ -17,9 +17,8 @@ from flax import struct
 
 from models.model import LayerContext
 from pallas_kernels.reference import combine_partials, dense_partial
-from qevict_jax.attention_scores import head_top_mask
-from qevict_jax.budget import pyramid_layer_caps
-from qevict_jax.cache import (
+from qevict_jax.core.budget import pyramid_layer_caps
+from qevict_jax.core.cache import (
     PoolCache,
     fill_sink_and_ring,
     ring_positions,
@@ -27,8 +26,9 @@ from qevict_jax.cache import (
     shared_prompt_attention,
     write_token,
 )
-from qevict_jax.routing import _rank, assign_slots, mark_routed, ring_candidates
-from qevict_jax.scoring import TokenRanking
+from qevict_jax.engines.routing import _rank, assign_slots, mark_routed, ring_candidates
+from qevict_jax.rankings.attention_scores import head_top_mask
+from qevict_jax.rankings.scoring import TokenRanking
 
 
 class PoolAttention(struct.PyTreeNode):

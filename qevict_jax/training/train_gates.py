@@ -1,4 +1,4 @@
-"""Training of the learned retention gates (``qevict_jax.gates``) with the base model frozen.
+"""Training of the learned retention gates (``qevict_jax.rankings.gates``) with the base model frozen.
 
 The student is the base model whose attention logits of key i at query t get ``(t - i) log beta_i`` added
 (per KV head, shared by the query heads of its group): attention weighted by ``beta_i^(t-i)``. The loss of a
@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 
 from models.attention import attention_mask, dense_attention
 from models.model import LayerContext, Transformer
-from qevict_jax.gates import (
+from qevict_jax.eval.needle import prose_paragraphs
+from qevict_jax.rankings.gates import (
     CONFIG_FILE,
     GateConfig,
     GateParams,
@@ -49,7 +50,6 @@ from qevict_jax.gates import (
     retention_bias,
     write_config,
 )
-from qevict_jax.needle import prose_paragraphs
 
 HISTORY_FILE = "history.json"
 CURVE_FILE = "loss_curve.png"

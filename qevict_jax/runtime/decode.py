@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from models.model import Transformer
-from qevict_jax.kv import KVMethod
-from qevict_jax.prefill import prefill_logits
-from qevict_jax.sampling import SamplerConfig, sample
-from qevict_jax.sharding import Mesh, constrain_cache, constrain_rows, mesh_context
-from qevict_jax.streaming import emit_in_loop
+from qevict_jax.core.kv import KVMethod
+from qevict_jax.core.sharding import Mesh, constrain_cache, constrain_rows, mesh_context
+from qevict_jax.runtime.prefill import prefill_logits
+from qevict_jax.runtime.sampling import SamplerConfig, sample
+from qevict_jax.runtime.streaming import emit_in_loop
 
 
 @struct.dataclass

@@ -1,4 +1,4 @@
-"""KV methods over learned retention gates (TRIM-KV, arXiv 2512.03324; ``qevict_jax.gates``).
+"""KV methods over learned retention gates (TRIM-KV, arXiv 2512.03324; ``qevict_jax.rankings.gates``).
 
 - "gates": a per-KV-head token pool (``pool``), compressed once after the prompt: every head keeps its top
   tokens by ``(t - pos_i) log beta_i`` at the prompt end t (as SnapKV keeps its top attention scores).
@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from models.model import LayerContext
-from qevict_jax.baselines import PoolMethod
-from qevict_jax.cache import SizedByCapacities, TieredCache
-from qevict_jax.config import CacheConfig
-from qevict_jax.gates import gate_params, log_beta
-from qevict_jax.pool import Allocation, pool_prefill_layer
-from qevict_jax.qevict import QEVICT_OPTIONS, QEvict
-from qevict_jax.scoring import GateRanking, window_ages
-from qevict_jax.window import prefill_layer
+from qevict_jax.core.cache import SizedByCapacities, TieredCache
+from qevict_jax.core.config import CacheConfig
+from qevict_jax.engines.pool import Allocation, pool_prefill_layer
+from qevict_jax.engines.window import prefill_layer
+from qevict_jax.methods.baselines import PoolMethod
+from qevict_jax.methods.qevict import QEVICT_OPTIONS, QEvict
+from qevict_jax.rankings.gates import gate_params, log_beta
+from qevict_jax.rankings.scoring import GateRanking, window_ages
 
 
 def layer_log_beta(path: str, ctx: LayerContext) -> jax.Array:

@@ -2,8 +2,8 @@
 one prompt pass), continued conversations (``past=``) and ``teacher_forced`` (fidelity).
 
 Prompts are right-padded to a length bucket; the KV cache is a pytree handed from the jitted prompt pass
-(``qevict_jax.prefill``) to the jitted decode loop (``qevict_jax.decode``) and returned in the result
-(``qevict_jax.results``). One compilation per (bucket, batch size, method, sampler config), owned by
+(``qevict_jax.runtime.prefill``) to the jitted decode loop (``qevict_jax.runtime.decode``) and returned in the result
+(``qevict_jax.runtime.results``). One compilation per (bucket, batch size, method, sampler config), owned by
 ``compiled.EXECUTABLES``.
 """
 
@@ -20,10 +20,11 @@ import numpy as np
 from flax import nnx
 
 from models.model import Transformer
-from qevict_jax.compiled import EXECUTABLES, chunk_capacity
-from qevict_jax.decode import decode_jit, teacher_forced_jit
-from qevict_jax.kv import DEFAULT_KV_DTYPE, FullKV, KVMethod, cache_nbytes, full_kv_bytes
-from qevict_jax.prefill import (
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE, FullKV, KVMethod, cache_nbytes, full_kv_bytes
+from qevict_jax.core.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state, to_host
+from qevict_jax.runtime.compiled import EXECUTABLES, chunk_capacity
+from qevict_jax.runtime.decode import decode_jit, teacher_forced_jit
+from qevict_jax.runtime.prefill import (
     Fanout,
     append_jit,
     check_prompts,
@@ -33,10 +34,9 @@ from qevict_jax.prefill import (
     split_questions,
     tokens_for_budget,
 )
-from qevict_jax.results import GenerationResult, TeacherForcedResult
-from qevict_jax.sampling import SamplerConfig
-from qevict_jax.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state, to_host
-from qevict_jax.streaming import TokenSink, open_stream
+from qevict_jax.runtime.results import GenerationResult, TeacherForcedResult
+from qevict_jax.runtime.sampling import SamplerConfig
+from qevict_jax.runtime.streaming import TokenSink, open_stream
 
 
 def generate(
@@ -65,9 +65,9 @@ def generate(
     token of ``past``) to ``past.cache`` the same way; the method defaults to ``past.method``.
     kv_dtype: storage dtype of the KV cache (bfloat16 by default); Full-KV's reference bytes use it too.
     mesh: run on this device mesh (``sharding.make_mesh``): batch over "data", KV heads, the tiers and the
-    attention/MLP weights over "model" (``qevict_jax.sharding``); the batch must divide by the "data" axis.
+    attention/MLP weights over "model" (``qevict_jax.core.sharding``); the batch must divide by the "data" axis.
     on_token: stream the output: called on the host with each position's tokens [B] and live [B] as they
-    are sampled (``qevict_jax.streaming``), the first from the prompt pass, then one per decode step.
+    are sampled (``qevict_jax.runtime.streaming``), the first from the prompt pass, then one per decode step.
     """
     if past is not None and method is not None and method == past.requested_method:
         method = past.method  # the method that built the cache (Full-KV where nothing was compressed)

@@ -1,5 +1,5 @@
 """Static cache configuration (docs/design.md §4): ``CacheConfig`` (what a method asks for) and ``Capacities`` (the
-static buffer sizes ``qevict_jax.budget`` solves for). Both are frozen and hashable (static ``jax.jit``
+static buffer sizes ``qevict_jax.core.budget`` solves for). Both are frozen and hashable (static ``jax.jit``
 arguments).
 """
 

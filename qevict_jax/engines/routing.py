@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quant import QuantFormat, QuantizedWindows
-from qevict_jax.kv import from_words, to_words
-from qevict_jax.scoring import spilled_key
+from qevict_jax.core.kv import from_words, to_words
+from qevict_jax.rankings.scoring import spilled_key
 
 
 class RoutingPlan(NamedTuple):

@@ -1,6 +1,6 @@
 """QEvict: the three-tier window cache as a KV method, and its named configurations (the paper's R1-R4).
 
-Every variant is a ``CacheConfig`` over the same window engine (``qevict_jax.window``): R1-R4 differ in
+Every variant is a ``CacheConfig`` over the same window engine (``qevict_jax.engines.window``): R1-R4 differ in
 window size and in whether the Q tier exists; "qevict-nospill" ranks each window by its own score only (the
 ablation of ``CacheConfig.spill``); "qevict-restkv" ranks the prompt's windows with the ReST-KV
 output-change score; "qevict-all" initializes the scores from every prompt query (the ablation of the
@@ -17,13 +17,13 @@ import jax
 from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.dispatch import use_pallas
-from qevict_jax.budget import solve_capacities
-from qevict_jax.cache import SizedByCapacities, TieredCache
-from qevict_jax.config import CacheConfig, Capacities, num_windows
-from qevict_jax.routing import route_stacked
-from qevict_jax.scoring import Ranking, make_ranking
-from qevict_jax.sharding import DATA, REPLICATED, on_shards, row_specs
-from qevict_jax.window import decode_layer, fold_head_means, prefill_layer
+from qevict_jax.core.budget import solve_capacities
+from qevict_jax.core.cache import SizedByCapacities, TieredCache
+from qevict_jax.core.config import CacheConfig, Capacities, num_windows
+from qevict_jax.core.sharding import DATA, REPLICATED, on_shards, row_specs
+from qevict_jax.engines.routing import route_stacked
+from qevict_jax.engines.window import decode_layer, fold_head_means, prefill_layer
+from qevict_jax.rankings.scoring import Ranking, make_ranking
 
 QEVICT_OPTIONS = (
     "sink",

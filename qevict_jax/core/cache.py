@@ -4,9 +4,9 @@ helpers both engines share (docs/design.md §5).
 Per layer and batch row a cache holds sink tokens, a local ring (recent region + the window being filled +
 the windows that left the recent region since the last routing event) and the counters (``SinkRingCache``),
 and the history in the tiers of one of two engines: ``TieredCache``, the window engine
-(``qevict_jax.window``: F windows in full precision, post-RoPE, and the ledger of INT2/INT4 windows, keys
+(``qevict_jax.engines.window``: F windows in full precision, post-RoPE, and the ledger of INT2/INT4 windows, keys
 pre-RoPE; active = Q tier, dormant = codes kept for a promoted window), or ``PoolCache``, the token pool of
-the per-head eviction baselines (``qevict_jax.pool``). Window w covers absolute positions
+the per-head eviction baselines (``qevict_jax.engines.pool``). Window w covers absolute positions
 ``[S + wW, S + (w+1)W)``; positions are never renumbered.
 
 Scores are kept per slot (``fp_score`` [B, NF], ``ledger.score`` [B, NL], ``loc_score`` [B, RING/W]) and move
@@ -28,8 +28,8 @@ from models.attention import prompt_attention
 from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.quant import QuantizedWindows
-from qevict_jax.config import Capacities
-from qevict_jax.kv import from_words, to_words
+from qevict_jax.core.config import Capacities
+from qevict_jax.core.kv import from_words, to_words
 
 
 @struct.dataclass
@@ -71,7 +71,7 @@ class SinkRingCache:
 
 @struct.dataclass
 class TieredCache(SinkRingCache):
-    """The window engine's cache (``qevict_jax.window``): sinks, ring, F windows and the ledger of one layer.
+    """The window engine's cache (``qevict_jax.engines.window``): sinks, ring, F windows and the ledger of one layer.
     RW = RING / W, NF = F slots, NL = ledger slots."""
 
     loc_score: jax.Array  # [B, RW] f32 score of the window in each ring window slot (window w -> w % RW)
@@ -105,7 +105,7 @@ class TieredCache(SinkRingCache):
 
 @struct.dataclass
 class PoolCache(SinkRingCache):
-    """The token-pool engine's cache (``qevict_jax.pool``): sinks, ring and a pool of NP = Hkv * pool_per_head
+    """The token-pool engine's cache (``qevict_jax.engines.pool``): sinks, ring and a pool of NP = Hkv * pool_per_head
     token slots of one layer, each owned by one KV head."""
 
     hp_k: jax.Array  # [B, NP, D] post-RoPE key of one KV head at one position

@@ -17,11 +17,11 @@ from flax import nnx
 
 from models.attention import prompt_attention
 from models.model import Transformer
-from qevict_jax.budget import BudgetTooSmallError
-from qevict_jax.compiled import bucket_floor, bucket_length
-from qevict_jax.kv import FullKV, KVMethod, full_kv_bytes
-from qevict_jax.sampling import SamplerConfig, sample
-from qevict_jax.sharding import Mesh, constrain_cache, mesh_context
+from qevict_jax.core.budget import BudgetTooSmallError
+from qevict_jax.core.kv import FullKV, KVMethod, full_kv_bytes
+from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context
+from qevict_jax.runtime.compiled import bucket_floor, bucket_length
+from qevict_jax.runtime.sampling import SamplerConfig, sample
 
 # ---------------------------------------------------------------------------------------------- host side
 

@@ -1,0 +1,1 @@
+"""Configuration, byte storage and accounting, the method protocol and Full-KV, the cache pytrees, the budget solver and the cache leaves' layouts on a mesh: the bottom of qevict_jax (docs/design.md §2)."""

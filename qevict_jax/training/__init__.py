@@ -1,0 +1,1 @@
+"""Training the learned gates (docs/design.md §2)."""
