@@ -25,8 +25,8 @@ import jax
 from models.checkpoint import load_model
 from models.registry import model_source, resolve_model, transformers_args
 from models.tokenizer import Tokenizer
+from qevict_jax.core.budget import BudgetedTiers
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
-from qevict_jax.methods.qevict import QEvict
 from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
 from qevict_jax.runtime.compiled import EXECUTABLES
@@ -36,11 +36,11 @@ from qevict_jax.runtime.sampling import SamplerConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class QEvictNoRouting(QEvict):
-    """QEvict with the same buffers but no decode-time routing: the baseline of the routing share."""
+class NoDecodeRouting(BudgetedTiers):
+    """QEvict's capacities with no decode-time routing: the same buffers, the baseline of the routing share."""
 
-    def capacities(self, *args, **kwargs):
-        return dataclasses.replace(super().capacities(*args, **kwargs), decode_routing=False)
+    def capacities(self, cache_cfg, **sizes):
+        return dataclasses.replace(super().capacities(cache_cfg, **sizes), decode_routing=False)
 
 
 def release_compiled() -> None:
@@ -102,7 +102,7 @@ def main() -> None:
     sampler = SamplerConfig(max_new_tokens=g)  # no EOS: every run decodes g tokens
     full = make_method("full", 1.0)
     qevict = make_method("qevict", args.budget)
-    no_routing = QEvictNoRouting(**{f.name: getattr(qevict, f.name) for f in dataclasses.fields(qevict)})
+    no_routing = dataclasses.replace(qevict, allocation=NoDecodeRouting())
 
     print(
         f"{args.model}, f32 compute, bf16 KV, CPU, {g} new tokens (greedy, no EOS); "

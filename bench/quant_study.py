@@ -321,7 +321,18 @@ def window_bytes(model_cfg, fmt: Format, dtype: Any) -> tuple[float, float, floa
     ring = ring_capacity(64, WINDOW, 8)
 
     def caps(nf: int, nl: int) -> Capacities:
-        return Capacities(SINK, WINDOW, 64, ring, nf, nl, nl, 1024, 2, 8)
+        return Capacities(
+            sink=SINK,
+            window=WINDOW,
+            recent=64,
+            ring=ring,
+            nf=nf,
+            nq=nl,
+            nl=nl,
+            nw_max=1024,
+            bits=2,
+            omega=8,
+        )
 
     def nbytes(c: Capacities) -> int:
         return sum(

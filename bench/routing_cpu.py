@@ -35,7 +35,7 @@ from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE
 from qevict_jax.engines.routing import ROUTING_CHUNK, finish_row, plan_counts, plan_row
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
-from qevict_jax.methods.qevict import QEvict
+from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
 from qevict_jax.runtime.decode import decode_jit
@@ -44,7 +44,7 @@ from qevict_jax.runtime.sampling import SamplerConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class IdentityRoute(QEvict):
+class IdentityRoute(WindowMethod):
     """QEvict whose routing changes nothing: the decode loop calls it, nothing runs."""
 
     def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
@@ -129,7 +129,7 @@ def main() -> None:
 
     def mover(bound):
         f = jax.jit(
-            rows(lambda r, p, ck, cv, cw: finish_row(r, p, ck, cv, cw, inv_freq, bound)), donate_argnums=0
+            rows(lambda r, p, c: finish_row(r, p, c, inv_freq, bound=bound)), donate_argnums=0
         )
         return lambda c: f(c, *planned)
 

@@ -19,7 +19,7 @@ from qevict_jax.core.kv import full_kv_bytes
 from qevict_jax.engines.window import prefill_layer
 from qevict_jax.methods.registry import make_method
 from qevict_jax.rankings.attention_scores import restkv_scores
-from qevict_jax.rankings.scoring import Ranking, make_ranking, window_sums
+from qevict_jax.rankings.scoring import PromptPass, Ranking, make_ranking, window_sums
 
 MODEL = ModelConfig(
     family="llama",
@@ -247,7 +247,7 @@ def test_restkv_adaptive_pooling_with_large_shifts():
     end = jnp.asarray(LENGTHS, jnp.int32)
     f = lambda a: jnp.asarray(a, jnp.float32)
     for scale in (3.0, 10.0):
-        got = np.asarray(restkv_scores(f(q), f(k), f(v), end, f(wo), 32, 0.3, None, 12, 5, scale))
+        got = np.asarray(restkv_scores(f(q), f(k), f(v), end, f(wo), n_obs=32, alpha=0.3, sliding_window=None, capacity=12, min_kernel=5, scale=scale))
         for b in range(B):
             want = np_restkv(q[b], k[b], v[b], wo, LENGTHS[b], 12, scale=scale)
             np.testing.assert_allclose(got[b, :, : want.shape[1]], want, rtol=2e-4, atol=1e-6)
@@ -397,7 +397,7 @@ def test_kivi_quantization_matches_numpy(name, bits):
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
     q = jnp.asarray(rs.randn(1, t, H, D), jnp.float32)
-    _, cache = prefill_layer(q, jnp.asarray(k), jnp.asarray(v), cache, ctx, method.ranking, method.cache)
+    _, cache = prefill_layer(q, jnp.asarray(k), jnp.asarray(v), cache, ctx, ranking=method.ranking, config=method.cache)
     win = np.asarray(cache.ledger.win[0])
     n_routed = (t - 128) // 32
     assert sorted(win[win >= 0].tolist()) == list(range(n_routed))  # nothing evicted
@@ -438,17 +438,21 @@ def test_qevict_restkv_ranks_prompt_windows_by_restkv():
     _, mass = chunked_attention(f(q), f(k), f(v), pos, jnp.where(valid, pos, -1), None, 512, q_valid=valid)
     nw = (T - 5) // 8
     got = np.asarray(
-        make_ranking("restkv").prefill_window_scores(f(q), f(k), lengths, mass, 5, 8, nw, None, f(v), f(wo))
+        make_ranking("restkv").prefill_window_scores(
+            PromptPass(f(q), f(k), f(v), lengths, mass, wo=f(wo)), sink=5, window=8, num_windows=nw
+        )
     )
     for b in range(B):
         n = LENGTHS[b]
 
-        tok = np.asarray(restkv_scores(f(q), f(k), f(v), lengths, f(wo), 32, 0.3, None, None))[b].mean(0)
+        tok = np.asarray(restkv_scores(f(q), f(k), f(v), lengths, f(wo), n_obs=32, alpha=0.3, sliding_window=None, capacity=None))[b].mean(0)
         early = 5 + (np.arange(nw) + 1) * 8 <= n - 32
         rest_w = np.asarray(window_sums(jnp.asarray(tok)[None], 5, 8, nw))[0]
         ratio = got[b][early] / rest_w[early]
         np.testing.assert_allclose(ratio, ratio[0], rtol=1e-4)  # same order as ReST-KV, one scale per row
-        obs = np.asarray(Ranking().prefill_window_scores(f(q), f(k), lengths, mass, 5, 8, nw, None))
+        obs = np.asarray(
+            Ranking().prefill_window_scores(PromptPass(f(q), f(k), None, lengths, mass), sink=5, window=8, num_windows=nw)
+        )
         np.testing.assert_allclose(got[b][early].sum(), obs[b][early].sum(), rtol=1e-4)  # obs-window units
         np.testing.assert_allclose(got[b][~early], obs[b][~early], rtol=1e-6)
 

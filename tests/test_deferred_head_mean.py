@@ -14,6 +14,7 @@ from tiny import decisive_model, tiny_llama
 
 from qevict_jax.core.config import LINEAR_RANKINGS, CacheConfig
 from qevict_jax.engines.window import fold_head_means
+from qevict_jax.methods.baselines import SnapKV
 from qevict_jax.methods.registry import cache_stats, make_method
 from qevict_jax.rankings.scoring import RANKINGS, make_ranking
 from qevict_jax.runtime.generate import generate
@@ -112,8 +113,8 @@ def test_linear_in_mass_is_what_the_rankings_claim(name, seed, heads):
 def test_deferred_head_mean_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="linear in the attention mass.*'pnorm'"):
         CacheConfig(ranking="pnorm", deferred_head_mean=True)
-    with pytest.raises(ValueError, match="tiered layout, not layout='pool'"):
-        CacheConfig(layout="pool", window=1, q_frac=0.0, deferred_head_mean=True)
+    with pytest.raises(ValueError, match="snapkv: deferred_head_mean applies to the window engine"):
+        SnapKV(cache=CacheConfig(window=1, q_frac=0.0, static=True, deferred_head_mean=True))
     with pytest.raises(ValueError, match="has no option 'deferred_head_mean'"):
         make_method("snapkv", 0.2, deferred_head_mean=True)
 

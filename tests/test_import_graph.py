@@ -282,7 +282,7 @@ def test_every_layer_exception_is_still_needed():
 def test_layer_checks_catch_planted_violations(monkeypatch):
     """An engine importing a method, the runtime importing a concrete method or the registry: all caught."""
     planted = [
-        ("qevict_jax.engines.window", "qevict_jax.methods.qevict", 1, ("QEvict",)),
+        ("qevict_jax.engines.window", "qevict_jax.methods.qevict", 1, ("WindowMethod",)),
         ("qevict_jax.runtime.decode", "qevict_jax.core.kv", 2, ("FullKV",)),
         ("qevict_jax.runtime.generate", "qevict_jax.methods.registry", 3, ("make_method",)),
         ("qevict_jax.core.config", "qevict_jax.rankings.scoring", 4, ("RANKINGS",)),
@@ -291,9 +291,9 @@ def test_layer_checks_catch_planted_violations(monkeypatch):
     found = _layer_violations()
     assert len(found) == 5, found  # the engine's import is both a higher layer and a concrete method
     assert any("qevict_jax.engines.window (line 1)" in f and "higher layer methods" in f for f in found)
-    assert any("qevict_jax.engines.window (line 1) imports the concrete method QEvict" in f for f in found)
+    assert any("qevict_jax.engines.window (line 1) imports the concrete method WindowMethod" in f for f in found)
     assert any("qevict_jax.runtime.decode (line 2) imports the concrete method FullKV" in f for f in found)
     assert any("qevict_jax.runtime.generate (line 3)" in f and "only through the protocol" in f for f in found)
     assert any("qevict_jax.core.config (line 4)" in f and "higher layer rankings" in f for f in found)
-    assert {"FullKV", "QEvict", "StreamingLLM", "SnapKV", "PyramidKV", "GateQEvict"} <= _concrete_methods()
+    assert {"FullKV", "WindowMethod", "SnapKV", "PyramidKV", "GateQEvict"} <= _concrete_methods()
     assert "KVMethod" not in _concrete_methods() and "Fanout" not in _concrete_methods()

@@ -22,6 +22,7 @@ from models.config import ModelConfig
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import Capacities, ring_capacity
 from qevict_jax.engines.routing import (
+    Candidates,
     apply_plan,
     dequantize_windows,
     plan_counts,
@@ -67,8 +68,9 @@ def jitted_event(nl: int, promotion: bool, quant: str):
 
     def event(row, cand_win, cand_score, cand_k, cand_v):
         plan = plan_for_row(row, cand_win, cand_score, promotion)
-        full = apply_plan(row, plan, cand_k, cand_v, cand_win, INV_FREQ)
-        bounded = apply_plan(row, plan, cand_k, cand_v, cand_win, INV_FREQ, bound=1)
+        candidates = Candidates(cand_k, cand_v, cand_win)
+        full = apply_plan(row, plan, candidates, INV_FREQ)
+        bounded = apply_plan(row, plan, candidates, INV_FREQ, bound=1)
         return full, plan, bounded, plan_counts(plan, nl) <= 1
 
     return jax.jit(event)

@@ -133,7 +133,19 @@ def test_a_rotated_q_window_costs_its_codes_and_grids():
 
     def slot_bytes(quant: str) -> int:
         def total(nl: int) -> int:
-            caps = Capacities(5, 8, 64, ring_capacity(64, 8, 8), 0, nl, nl, 64, 2, 8, quant=quant)
+            caps = Capacities(
+                sink=5,
+                window=8,
+                recent=64,
+                ring=ring_capacity(64, 8, 8),
+                nf=0,
+                nq=nl,
+                nl=nl,
+                nw_max=64,
+                bits=2,
+                omega=8,
+                quant=quant,
+            )
             return sum(
                 x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_cache(caps, cfg, 1, jnp.bfloat16))
             )

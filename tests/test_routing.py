@@ -32,11 +32,15 @@ SHAPES = [(3, 5, 3, 2), (0, 4, 4, 2), (4, 0, 0, 3), (2, 6, 3, 4), (5, 3, 3, 1)]
 NUM_WINDOWS = 128  # window ids of the random sequences stay below this
 
 
+def plan_of(*metadata, **options):
+    """``plan_routing`` of the seven metadata arrays in order: the tiers', then cand_win and cand_score."""
+    *tiers, cand_win, cand_score = metadata
+    return plan_routing(*tiers, cand_win=cand_win, cand_score=cand_score, **options)
+
+
 @functools.cache
 def jitted_plan(nq: int, promotion: bool, spill: int = 0):
-    return jax.jit(
-        functools.partial(plan_routing, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS)
-    )
+    return jax.jit(functools.partial(plan_of, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS))
 
 
 def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(), spill=0):
@@ -439,7 +443,7 @@ def test_one_trace_per_shape_of_the_plan():
     @jax.jit
     @chex.assert_max_traces(n=1)
     def plan(*metadata):
-        return plan_routing(*metadata, nq=nq, promotion=True, spill=0, num_windows=NUM_WINDOWS)
+        return plan_of(*metadata, nq=nq, promotion=True, spill=0, num_windows=NUM_WINDOWS)
 
     rng = np.random.default_rng(0)
     for event in range(4):  # different ids, scores and activity: the same program

@@ -17,6 +17,7 @@ from qevict_jax.rankings.scoring import (
     CumulativeAllRanking,
     GateRanking,
     KeyNormRanking,
+    PromptPass,
     Ranking,
     RestKVRanking,
     SnapKVRanking,
@@ -74,14 +75,16 @@ def test_observation_window_scores_match_float64_reference(kind, n_obs, pool, ke
     ranking = make_ranking(kind, decay=0.9, p=3.0, n_obs=n_obs, max_pool_width=pool)
     got = np.asarray(
         ranking.prefill_window_scores(
-            jnp.asarray(q, jnp.float32),
-            jnp.asarray(k, jnp.float32),
-            jnp.asarray(LENGTHS, jnp.int32),
-            jnp.zeros((B, HKV, H // HKV, T)),
-            S,
-            W,
-            NW,
-            None,
+            PromptPass(
+                jnp.asarray(q, jnp.float32),
+                jnp.asarray(k, jnp.float32),
+                None,
+                jnp.asarray(LENGTHS, jnp.int32),
+                jnp.zeros((B, HKV, H // HKV, T)),
+            ),
+            sink=S,
+            window=W,
+            num_windows=NW,
         )
     )
     for b in range(B):
@@ -98,25 +101,18 @@ def test_observation_window_scores_match_float64_reference(kind, n_obs, pool, ke
 def test_observation_rows_sum_to_one_row_per_query():
     """Units: every observation query distributes exactly one unit of mass (one decode step's worth)."""
     q, k = _inputs(2)
-    got = Ranking(n_obs=20).prefill_window_scores(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(LENGTHS), jnp.zeros((B, HKV, 3, T)), 0, 1, T, None
-    )
+    prompt = PromptPass(jnp.asarray(q), jnp.asarray(k), None, jnp.asarray(LENGTHS), jnp.zeros((B, HKV, 3, T)))
+    got = Ranking(n_obs=20).prefill_window_scores(prompt, sink=0, window=1, num_windows=T)
     np.testing.assert_allclose(np.asarray(got).sum(-1), 20.0, rtol=1e-5)
 
 
 def test_cumulative_all_is_the_column_mass_of_every_query():
     rs = np.random.RandomState(3)
     mass = rs.rand(B, HKV, H // HKV, T)
-    got = make_ranking("cumulative-all").prefill_window_scores(
-        jnp.zeros((B, T, H, D)),
-        jnp.zeros((B, T, HKV, D)),
-        jnp.asarray(LENGTHS),
-        jnp.asarray(mass),
-        S,
-        W,
-        NW,
-        None,
+    prompt = PromptPass(
+        jnp.zeros((B, T, H, D)), jnp.zeros((B, T, HKV, D)), None, jnp.asarray(LENGTHS), jnp.asarray(mass)
     )
+    got = make_ranking("cumulative-all").prefill_window_scores(prompt, sink=S, window=W, num_windows=NW)
     np.testing.assert_allclose(np.asarray(got), np_windows(mass.mean(axis=(1, 2))), rtol=1e-5)
     np.testing.assert_allclose(
         np.asarray(window_sums(jnp.asarray(mass.mean(axis=(1, 2))), S, W, NW)),
@@ -145,9 +141,10 @@ def test_a_shared_ranking_scores_windows_as_its_head_mean_tokens(ranking):
     mass = np.random.RandomState(4).rand(B, HKV, H // HKV, T)
     f = lambda a: jnp.asarray(a, jnp.float32)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
-    tokens = ranking.prefill_token_scores(f(q), f(k), f(k), _ctx().positions, lengths, f(mass), _ctx(), None)
+    prompt = PromptPass.of_layer(f(q), f(k), f(k), lengths=lengths, column_mass=f(mass), ctx=_ctx())
+    tokens = ranking.prefill_token_scores(prompt, None)
     assert tokens.shape == (B, HKV, T)
-    windows = np.asarray(ranking.prefill_window_scores(f(q), f(k), lengths, f(mass), S, W, NW, None))
+    windows = np.asarray(ranking.prefill_window_scores(prompt, sink=S, window=W, num_windows=NW))
     from_tokens = np_windows(np.asarray(tokens, np.float64).mean(axis=1))
     if ranking.name == "keynorm":
         from_tokens /= W  # a window past T holds zero keys (norm 0) in both
@@ -158,7 +155,8 @@ def test_tova_keeps_the_current_query_for_every_head_and_replaces_scores():
     q, k = _inputs(5)
     f = lambda a: jnp.asarray(a, jnp.float32)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
-    got = np.asarray(TOVARanking().prefill_token_scores(f(q), f(k), f(k), None, lengths, None, _ctx(), None))
+    prompt = PromptPass(f(q), f(k), f(k), lengths, sliding_window=_ctx().cfg.sliding_window)
+    got = np.asarray(TOVARanking().prefill_token_scores(prompt, None))
     for b in range(B):
         row = np_observation_rows(q[b], k[b], int(LENGTHS[b]), 1, 0)[0]
         for h in range(HKV):

@@ -124,9 +124,9 @@ def jitted_layer(caps: Capacities):
         cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 2, jnp.float32, lengths))
         pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
         ctx = LayerContext(positions=pos, layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
-        _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16))
+        _, cache = prefill_layer(q, k, v, cache, ctx, ranking=ranking, config=CacheConfig(prefill_chunk=16))
         ctx1 = LayerContext(positions=lengths[:, None], layer=jnp.int32(0), inv_freq=inv, cfg=MODEL)
-        out, cache1 = decode_layer(q1, k1, v1, cache, ctx1, ranking)
+        out, cache1 = decode_layer(q1, k1, v1, cache, ctx1, ranking=ranking)
         att = tier_attention(
             q1[:, 0].reshape(2, MODEL.num_kv_heads, -1, MODEL.head_dim), cache1, lengths, inv, None
         )
@@ -255,11 +255,9 @@ class GivenScores(Ranking):
 
     scores: tuple[float, ...] = ()
 
-    def prefill_window_scores(
-        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
-    ):
+    def prefill_window_scores(self, prompt, *, sink, window, num_windows):
         s = jnp.asarray(self.scores, jnp.float32)[:num_windows]
-        return jnp.broadcast_to(s, (q.shape[0], num_windows))
+        return jnp.broadcast_to(s, (prompt.q.shape[0], num_windows))
 
 
 def prefill_one_layer(caps: Capacities, ranking: Ranking, seed: int):
@@ -272,7 +270,7 @@ def prefill_one_layer(caps: Capacities, ranking: Ranking, seed: int):
     ctx = LayerContext(
         positions=pos, layer=jnp.int32(0), inv_freq=jnp.asarray(INV_FREQ, jnp.float32), cfg=MODEL
     )
-    _, cache = prefill_layer(q, k, v, cache, ctx, ranking, CacheConfig(prefill_chunk=16))
+    _, cache = prefill_layer(q, k, v, cache, ctx, ranking=ranking, config=CacheConfig(prefill_chunk=16))
     return cache, k
 
 

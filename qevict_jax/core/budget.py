@@ -7,8 +7,9 @@ allocated cache cannot disagree.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -49,14 +50,8 @@ def solve_capacities(
     Raises ``BudgetTooSmallError`` (a ValueError naming the minimum β) when sink + recent + one window
     do not fit.
     """
-    if cache_cfg.layout == "keep_all":
-        return keep_all_capacities(cache_cfg, max_windows)
     if budget_tokens < 1:
         raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
-    if cache_cfg.layout != "tiered":
-        raise ValueError(
-            f"use solve_pool_capacities / solve_local_capacities for layout {cache_cfg.layout!r}"
-        )
     itemsize = jnp.dtype(dtype).itemsize
     full = full_kv_bytes(model_cfg, budget_tokens, dtype, batch)
     if cache_cfg.budget_bytes is not None:
@@ -71,16 +66,16 @@ def solve_capacities(
 
     def caps(nf: int, nq: int, nl: int) -> Capacities:
         return Capacities(
-            cache_cfg.sink,
-            w,
-            recent,
-            ring,
-            nf,
-            nq,
-            nl,
-            nw,
-            cache_cfg.bits,
-            cache_cfg.omega,
+            sink=cache_cfg.sink,
+            window=w,
+            recent=recent,
+            ring=ring,
+            nf=nf,
+            nq=nq,
+            nl=nl,
+            nw_max=nw,
+            bits=cache_cfg.bits,
+            omega=cache_cfg.omega,
             quant=cache_cfg.quant,
             deferred_head_mean=cache_cfg.deferred_head_mean,
         )
@@ -132,16 +127,16 @@ def keep_all_capacities(cache_cfg: CacheConfig, max_windows: int | None) -> Capa
         raise ValueError("keep_all needs an integer recent region")
     ring = ring_capacity(recent, cache_cfg.window, cache_cfg.omega)
     return Capacities(
-        cache_cfg.sink,
-        cache_cfg.window,
-        recent,
-        ring,
-        0,
-        max_windows,
-        max_windows,
-        max_windows,
-        cache_cfg.bits,
-        cache_cfg.omega,
+        sink=cache_cfg.sink,
+        window=cache_cfg.window,
+        recent=recent,
+        ring=ring,
+        nf=0,
+        nq=max_windows,
+        nl=max_windows,
+        nw_max=max_windows,
+        bits=cache_cfg.bits,
+        omega=cache_cfg.omega,
         quant=cache_cfg.quant,
     )
 
@@ -184,7 +179,17 @@ def solve_local_capacities(
     def caps(r: int) -> Capacities:
         ring = ring_capacity(r, w, cache_cfg.omega)
         return Capacities(
-            cache_cfg.sink, w, r, ring, 0, 0, 0, 0, cache_cfg.bits, cache_cfg.omega, quant=cache_cfg.quant
+            sink=cache_cfg.sink,
+            window=w,
+            recent=r,
+            ring=ring,
+            nf=0,
+            nq=0,
+            nl=0,
+            nw_max=0,
+            bits=cache_cfg.bits,
+            omega=cache_cfg.omega,
+            quant=cache_cfg.quant,
         )
 
     fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
@@ -208,6 +213,7 @@ def solve_pool_capacities(
     batch: int,
     budget_tokens: int,
     dtype: Any,
+    *,
     max_new_tokens: int,
     max_selectable: int,
 ) -> Capacities:
@@ -226,16 +232,16 @@ def solve_pool_capacities(
 
     def caps(pph: int) -> Capacities:
         return Capacities(
-            cache_cfg.sink,
-            1,
-            recent,
-            ring,
-            0,
-            0,
-            0,
-            0,
-            cache_cfg.bits,
-            cache_cfg.omega,
+            sink=cache_cfg.sink,
+            window=1,
+            recent=recent,
+            ring=ring,
+            nf=0,
+            nq=0,
+            nl=0,
+            nw_max=0,
+            bits=cache_cfg.bits,
+            omega=cache_cfg.omega,
             pool_per_head=pph,
             pool_scores=not cache_cfg.static,
             decode_routing=not cache_cfg.static,
@@ -275,3 +281,62 @@ def pyramid_layer_caps(mean: float, num_layers: int, prefix: int, beta: float) -
         return tuple(int(round(mean)) for _ in range(num_layers))
     steps = (hi - lo) / (num_layers - 1)
     return tuple(int(round(hi - layer * steps)) for layer in range(num_layers))
+
+
+# ------------------------------------------------------------------------------------ window-engine allocations
+
+
+class WindowAllocation(Protocol):
+    """How a window-engine method turns its byte budget into static capacities (``Capacities``).
+
+    uses_budget: the capacities depend on the budget (False: the method keeps what it keeps, and its
+    measured memory is reported as it is).
+    """
+
+    uses_budget: ClassVar[bool]
+
+    def capacities(
+        self,
+        cache_cfg: CacheConfig,
+        *,
+        model_cfg: ModelConfig,
+        batch: int,
+        max_tokens: int,
+        dtype: Any,
+        budget_tokens: int,
+    ) -> Capacities: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetedTiers:
+    """F and Q windows bought with what the budget leaves after sinks and ring (``solve_capacities``):
+    QEvict and R1-R4. ``max_tokens``: prompt capacity + new tokens (caps the slots at the windows that can
+    exist)."""
+
+    uses_budget: ClassVar[bool] = True
+
+    def capacities(self, cache_cfg, *, model_cfg, batch, max_tokens, dtype, budget_tokens) -> Capacities:
+        max_windows = num_windows(max_tokens, cache_cfg.sink, cache_cfg.window)
+        return solve_capacities(cache_cfg, model_cfg, batch, budget_tokens, dtype, max_windows=max_windows)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecentOnly:
+    """Sinks and the largest recent region the budget holds, no F or Q slots (``solve_local_capacities``):
+    StreamingLLM."""
+
+    uses_budget: ClassVar[bool] = True
+
+    def capacities(self, cache_cfg, *, model_cfg, batch, max_tokens, dtype, budget_tokens) -> Capacities:
+        return solve_local_capacities(cache_cfg, model_cfg, batch, budget_tokens, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepAll:
+    """A Q slot for every window the sequence can have, nothing evicted, no budget
+    (``keep_all_capacities``): KIVI."""
+
+    uses_budget: ClassVar[bool] = False
+
+    def capacities(self, cache_cfg, *, model_cfg, batch, max_tokens, dtype, budget_tokens) -> Capacities:
+        return keep_all_capacities(cache_cfg, num_windows(max_tokens, cache_cfg.sink, cache_cfg.window))

@@ -214,7 +214,14 @@ class SizedByCapacities:
     ) -> TieredCache | PoolCache:
         """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
         b = prompt_lengths.shape[0]
-        caps = self.capacities(model_cfg, b, prompt_capacity, max_new_tokens, dtype, budget_tokens)
+        caps = self.capacities(
+            model_cfg=model_cfg,
+            batch=b,
+            prompt_capacity=prompt_capacity,
+            max_new_tokens=max_new_tokens,
+            dtype=dtype,
+            budget_tokens=budget_tokens,
+        )
         return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
 
     def routing_due(self, cache: TieredCache) -> jax.Array:
@@ -224,12 +231,13 @@ class SizedByCapacities:
             return jnp.bool_(False)
         return jnp.mod(cache.steps[0, 0], cache.caps.omega) == 0
 
-    def decode_route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
-        """After a decode step of every layer: a routing event (``route``) of every layer and row when one is
-        due (``routing_due``). Outside the layer scan, so a step without one copies nothing."""
+    def decode_route(self, cache: TieredCache | PoolCache, inv_freq: jax.Array) -> TieredCache | PoolCache:
+        """After a decode step of every layer, outside the layer scan: ``route(cache, inv_freq, due)`` with
+        ``due`` = a routing event is due now (``routing_due``). How a step without one costs nothing is the
+        method's ``route``: a conditional around the event, or moves masked by ``due``."""
         if not cache.caps.decode_routing:
             return cache
-        return jax.lax.cond(self.routing_due(cache), lambda c: self.route(c, inv_freq), lambda c: c, cache)
+        return self.route(cache, inv_freq, due=self.routing_due(cache))
 
 
 def abstract_cache(

@@ -9,7 +9,6 @@ import dataclasses
 
 from pallas_kernels.quant import QuantFormat, quant_format
 
-LAYOUTS = ("tiered", "pool", "local", "keep_all")
 RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv", "gates")
 """The names ``CacheConfig.ranking`` accepts: those of ``scoring.RANKINGS`` (a test holds them equal). The
 configuration names a ranking and does not import the rankings: it sits below them (docs/design.md §2)."""
@@ -20,7 +19,8 @@ equal): those ``deferred_head_mean`` accepts."""
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Configuration of the tiered cache (QEvict and every variant built on the same machinery).
+    """What a method asks of its cache, for either engine (the method chooses the engine and how the budget
+    is allocated: ``methods``; options a method's engine does not read are left at their defaults).
 
     sink: first tokens always kept in full precision.
     window: W, tokens per window (the unit of ranking and migration).
@@ -49,22 +49,16 @@ class CacheConfig:
     p: exponent of the "pnorm" ranking.
     promotion: allow Q -> F promotions at routing.
     prefill_chunk: query chunk of the prefill attention.
-    pallas: decode attention of the tiered layout through the Pallas kernels (``pallas_kernels``): None =
+    pallas: decode attention of the window engine through the Pallas kernels (``pallas_kernels``): None =
         only on a GPU, True = always (interpret mode off a GPU: slow, for tests), False = jnp reference.
-    layout: which tiers hold the history (``cache.TieredCache`` for the window layouts, ``cache.PoolCache``
-        for "pool"):
-        "tiered": F + Q windows (QEvict, R1-R4); "pool": a per-KV-head token pool (W = 1; each slot records
-        its owner KV head; the eviction baselines); "local": sinks + recent region only, the recent region
-        grown to fill the budget (StreamingLLM); "keep_all": every window that leaves the recent region is
-        quantized into the Q tier and nothing is evicted (KIVI; the budget does not apply).
     static: compress once after prefill (no decode-time routing; the ring is sized to also hold every
-        token after the prompt: an appended question or turn, and the decoded tokens). Pool layout only.
+        token after the prompt: an appended question or turn, and the decoded tokens). Token pool only.
     deferred_head_mean: keep each decode step's attention masses per KV head (running masses of Hkv f32
         per scored entry, in the cache and its bytes) and take their head mean at the next routing event
         instead of every step. The scores at each routing event are the same (up to float rounding) for a
         ranking linear in the mass (``ScoreDynamics.linear_in_mass``); on a mesh that splits the KV heads
         over "model", a decode step without a routing event then moves no mass between devices
-        (docs/multi-device.md). Tiered layout only.
+        (docs/multi-device.md). Window engine only.
     """
 
     sink: int = 5
@@ -84,18 +78,11 @@ class CacheConfig:
     p: float = 3.0
     promotion: bool = True
     prefill_chunk: int = 512
-    layout: str = "tiered"
     pallas: bool | None = None
     static: bool = False
     deferred_head_mean: bool = False
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; available: {', '.join(LAYOUTS)}")
-        if self.layout == "pool" and self.window != 1:
-            raise ValueError("the pool layout is token-level: window must be 1")
-        if self.static and self.layout != "pool":
-            raise ValueError("static (compress-once) caches need the pool layout")
         if self.bits not in (2, 4):
             raise ValueError(f"bits must be 2 or 4, got {self.bits}")
         if self.window < 1:
@@ -142,10 +129,6 @@ class CacheConfig:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.deferred_head_mean and self.layout != "tiered":
-            raise ValueError(
-                f"deferred_head_mean applies to the window engine's tiered layout, not layout={self.layout!r}"
-            )
         if self.deferred_head_mean and self.ranking not in LINEAR_RANKINGS:
             linear = ", ".join(LINEAR_RANKINGS)
             raise ValueError(
@@ -154,7 +137,7 @@ class CacheConfig:
             )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Capacities:
     """Static buffer sizes of one layer's tiered cache (hashable; stored as a static field of the cache).
 
@@ -165,7 +148,7 @@ class Capacities:
     nw_max: number of window ids a sequence of the sized length can have (caps nf and nq).
     bits: code width of the "channel" format. omega: routing interval. quant: the Q tier's format name
         (``format`` is the object).
-    pool_per_head: token slots per KV head of the head pool (pool layout; 0 otherwise); the pool has
+    pool_per_head: token slots per KV head of the head pool (token pool; 0 otherwise); the pool has
         ``Hkv * pool_per_head`` slots per layer and row.
     pool_scores: the pool keeps per-slot and per-ring-token scores (decode-time eviction).
     decode_routing: route at decode time (False: compressed once after prefill).

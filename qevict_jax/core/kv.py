@@ -8,9 +8,10 @@ A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) w
   for ``budget_tokens`` tokens per row (static; methods with ``uses_budget = False`` ignore it).
 - ``prefill_attend(q, k, v, layer_cache, ctx)`` and ``decode_attend(...)``: the decoder's ``AttendFn`` for the
   prompt pass (positions ``0..P-1``, rows right-padded) and for one decoded token per row.
-- ``route(cache, inv_freq)``: a routing event now, on the whole stacked cache (after an appended chunk of
-  tokens, before decoding); identity for methods that never route.
-- ``decode_route(cache, inv_freq)``: after a decode step, a routing event when one is due, else the cache.
+- ``route(cache, inv_freq, due=None)``: a routing event on the whole stacked cache, now (``due`` None: after
+  an appended chunk of tokens, before decoding) or only where the traced bool ``due`` [] holds; identity for
+  methods that never route. The one routing contract of every method.
+- ``decode_route(cache, inv_freq)``: after a decode step, ``route`` with ``due`` = an event is due now.
 - ``reserve(cache, total_tokens)``: a cache with room for ``total_tokens`` tokens per row (a continued
   conversation), or a clear error when the method cannot grow.
 """
@@ -36,10 +37,10 @@ class KVMethod(Protocol):
     budget: the β it runs at, None when no budget applies."""
 
     name: str
-    uses_budget: ClassVar[bool]
-    options: ClassVar[tuple[str, ...]]
-    protects_recent: ClassVar[bool]
-    stacked_cache: ClassVar[bool]
+    uses_budget: bool
+    options: tuple[str, ...]
+    protects_recent: bool
+    stacked_cache: bool
 
     @property
     def budget(self) -> float | None: ...
@@ -58,7 +59,7 @@ class KVMethod(Protocol):
 
     def decode_attend(self, q, k, v, layer_cache, ctx: LayerContext) -> tuple[jax.Array, Any]: ...
 
-    def route(self, cache: Any, inv_freq: jax.Array) -> Any: ...
+    def route(self, cache: Any, inv_freq: jax.Array, due: jax.Array | None = None) -> Any: ...
 
     def decode_route(self, cache: Any, inv_freq: jax.Array) -> Any: ...
 
@@ -146,7 +147,7 @@ class FullKV:
         zeros = to_words(jnp.zeros(shape, dtype), dtype)
         return FullCache(k=zeros, v=zeros, length=length, dtype=jnp.dtype(dtype))
 
-    def route(self, cache: FullCache, inv_freq: jax.Array) -> FullCache:
+    def route(self, cache: FullCache, inv_freq: jax.Array, due: jax.Array | None = None) -> FullCache:
         return cache
 
     def decode_route(self, cache: FullCache, inv_freq: jax.Array) -> FullCache:

@@ -29,12 +29,14 @@ from flax import nnx
 
 from models.attention import chunked_attention
 from models.model import LayerContext, Transformer
+from qevict_jax.core.budget import BudgetedTiers
 from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.config import num_windows
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod
 from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.engines.window import fold_head_means
 from qevict_jax.eval.fidelity import fidelity_sample
+from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.rankings.attention_scores import observation_mass
 from qevict_jax.rankings.scoring import Ranking
 from qevict_jax.runtime.compiled import EXECUTABLES
@@ -226,9 +228,9 @@ def policy_trace(
     """Teacher-force sequences [B, P + G] through ``method`` (a window-tier method: QEvict or R1-R4) and
     record its tiers at every routing event. The cache is sized for exactly P + G tokens. ``on_event`` is
     called after each routing event (a progress bar)."""
-    caps_cfg = getattr(method, "cache", None)
-    if caps_cfg is None or caps_cfg.layout != "tiered":
+    if not (isinstance(method, WindowMethod) and isinstance(method.allocation, BudgetedTiers)):
         raise ValueError(f"method {method.name!r} has no window tiers to diagnose (QEvict and R1-R4 do)")
+    caps_cfg = method.cache
     ranking = method.ranking
     if type(ranking).update is not Ranking.update:
         raise ValueError(
@@ -294,6 +296,7 @@ def passages(
     count: int,
     prompt_len: int,
     num_steps: int,
+    *,
     text: str | None = None,
     bos: Sequence[int] = (),
     seed: int = 0,

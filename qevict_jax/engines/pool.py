@@ -28,7 +28,7 @@ from qevict_jax.core.cache import (
 )
 from qevict_jax.engines.routing import _rank, assign_slots, mark_routed, ring_candidates
 from qevict_jax.rankings.attention_scores import head_top_mask
-from qevict_jax.rankings.scoring import TokenRanking
+from qevict_jax.rankings.scoring import PromptPass, TokenRanking
 
 
 class PoolAttention(struct.PyTreeNode):
@@ -145,6 +145,7 @@ def pool_prefill_layer(
     v: jax.Array,
     cache: PoolCache,
     ctx: LayerContext,
+    *,
     ranking: TokenRanking,
     allocation: Allocation,
     chunk: int,
@@ -162,7 +163,8 @@ def pool_prefill_layer(
     lengths = cache.length
     positions = ctx.positions
     out, mass, q, k, v = shared_prompt_attention(q, k, v, lengths, ctx, chunk)
-    scores = ranking.prefill_token_scores(q, k, v, positions, lengths, mass, ctx, caps)  # [B, Hkv, T]
+    prompt = PromptPass.of_layer(q, k, v, lengths=lengths, column_mass=mass, ctx=ctx)
+    scores = ranking.prefill_token_scores(prompt, caps)  # [B, Hkv, T]
     routed = jnp.maximum(0, lengths - s - caps.recent)  # tokens leaving the ring: S <= p < S + routed
     eligible = (positions >= s) & (positions < s + routed[:, None])
     layer_cap = jnp.asarray(caps.layer_caps, jnp.int32)[ctx.layer] if caps.layer_caps else caps.pool_per_head
@@ -194,7 +196,7 @@ def pool_prefill_layer(
 
 
 def pool_decode_layer(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: PoolCache, ctx: LayerContext, ranking: TokenRanking
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: PoolCache, ctx: LayerContext, *, ranking: TokenRanking
 ) -> tuple[jax.Array, PoolCache]:
     """One decode step in the pool layout: q [B, 1, H, D], k, v [B, 1, Hkv, D] -> (out [B, 1, H, D], cache).
 

@@ -42,6 +42,15 @@ from qevict_jax.core.kv import from_words, to_words
 from qevict_jax.rankings.scoring import spilled_key
 
 
+class Candidates(NamedTuple):
+    """The windows an event routes, with their data: one row's k, v [Hkv, K, W, D] (post-RoPE keys) and win
+    [K] window ids (-1 = none); batched rows carry leading axes."""
+
+    k: jax.Array
+    v: jax.Array
+    win: jax.Array
+
+
 class RoutingPlan(NamedTuple):
     """The outcome of one routing event for one batch row (NF F slots, NL ledger slots, K candidates).
 
@@ -118,9 +127,9 @@ def plan_routing(
     led_win: jax.Array,
     led_active: jax.Array,
     led_score: jax.Array,
+    *,
     cand_win: jax.Array,
     cand_score: jax.Array,
-    *,
     nq: int,
     promotion: bool,
     spill: int = 0,
@@ -222,28 +231,22 @@ def dequantize_windows(
 
 
 def apply_plan(
-    row: Any,
-    plan: RoutingPlan,
-    cand_k: jax.Array,
-    cand_v: jax.Array,
-    cand_win: jax.Array,
-    inv_freq: jax.Array,
-    bound: int | None = None,
+    row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *, bound: int | None = None
 ) -> Any:
     """Move the data of one row as ``plan`` says; returns the row with new F, ledger and metadata.
 
-    row: one batch row of a ``TieredCache`` (fields without the [B] axis). cand_k, cand_v: [Hkv, K, W, D]
-    candidate windows (post-RoPE keys), cand_win [K]. bound: quantize and dequantize at most this many F
+    row: one batch row of a ``TieredCache`` (fields without the [B] axis). candidates: the plan's
+    candidate windows. bound: quantize and dequantize at most this many F
     windows (the fresh F -> Q demotions and the Q -> F promotions), or as many as there are F slots when
     None; the caller guarantees that the plan's counts fit (``plan_counts``). Both give the same row.
     """
     nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
     m = nf if bound is None else min(bound, nf)
-    row = quantize_candidates(row, plan, cand_k, cand_v, cand_win, inv_freq)
+    row = quantize_candidates(row, plan, candidates, inv_freq)
     if nl and m:
         row = demote_chunk(row, plan, jnp.int32(0), m, inv_freq)
         row = promote_chunk(row, plan, jnp.int32(0), m, inv_freq)
-    return place_candidates(row, plan, cand_k, cand_v)
+    return place_candidates(row, plan, candidates)
 
 
 def _chunk(mask: jax.Array, chunk: jax.Array, m: int) -> jax.Array:
@@ -287,31 +290,25 @@ def promote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_fre
     )
 
 
-def quantize_candidates(
-    row: Any,
-    plan: RoutingPlan,
-    cand_k: jax.Array,
-    cand_v: jax.Array,
-    cand_win: jax.Array,
-    inv_freq: jax.Array,
-) -> Any:
-    """Candidates [Hkv, K, W, D] going to Q quantized into their ledger slots. The first move of an event: the
+def quantize_candidates(row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array) -> Any:
+    """Candidates going to Q quantized into their ledger slots. The first move of an event: the
     slots are ones the plan freed, distinct from the demotions' and never a promoted window's entry."""
     caps = row.caps
     if not row.ledger.win.shape[0]:
         return row
-    entries = quantize_windows(cand_k, cand_v, caps.sink + cand_win * caps.window, inv_freq, caps.format)
+    c = candidates
+    entries = quantize_windows(c.k, c.v, caps.sink + c.win * caps.window, inv_freq, caps.format)
     return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(plan.c2q_target, entries)))
 
 
-def place_candidates(row: Any, plan: RoutingPlan, cand_k: jax.Array, cand_v: jax.Array) -> Any:
-    """The last move of an event: candidates [Hkv, K, W, D] going to F copied into their slots (after the
+def place_candidates(row: Any, plan: RoutingPlan, candidates: Candidates) -> Any:
+    """The last move of an event: candidates going to F copied into their slots (after the
     demotions read theirs), and the plan's metadata and counts."""
     dtype = row.local_k.dtype
     fp_k, fp_v = row.fp_kw, row.fp_vw
     if row.fp_win.shape[0]:
-        fp_k = fp_k.at[:, plan.c2f_target].set(to_words(cand_k, dtype), mode="drop")
-        fp_v = fp_v.at[:, plan.c2f_target].set(to_words(cand_v, dtype), mode="drop")
+        fp_k = fp_k.at[:, plan.c2f_target].set(to_words(candidates.k, dtype), mode="drop")
+        fp_v = fp_v.at[:, plan.c2f_target].set(to_words(candidates.v, dtype), mode="drop")
     return row.replace(
         fp_kw=fp_k,
         fp_vw=fp_v,
@@ -365,8 +362,8 @@ def plan_for_row(
         row.ledger.win,
         row.ledger.active,
         row.ledger.score,
-        cand_win,
-        cand_score.astype(jnp.float32),
+        cand_win=cand_win,
+        cand_score=cand_score.astype(jnp.float32),
         nq=row.caps.nq,
         promotion=promotion,
         spill=spill,
@@ -374,20 +371,24 @@ def plan_for_row(
     )
 
 
-def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, jax.Array, jax.Array, jax.Array]:
-    """The plan of one decode routing event for one row: (plan, cand_k, cand_v [Hkv, K, W, D], cand_win [K])."""
+def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, Candidates]:
+    """The plan of one decode routing event for one row, and its candidates (the windows that left the
+    recent region)."""
     caps = row.caps
     cand_win, ring_slot = ring_candidates(row)
     hkv, _, d = row.local_k.shape
     cand_k = row.local_k.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_v = row.local_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_score = ranking.candidate_score(row.loc_score[ring_slot], cand_k.swapaxes(0, 1))
-    return plan_for_row(row, cand_win, cand_score, promotion, ranking.spill), cand_k, cand_v, cand_win
+    plan = plan_for_row(row, cand_win, cand_score, promotion, ranking.spill)
+    return plan, Candidates(cand_k, cand_v, cand_win)
 
 
-def finish_row(row: Any, plan, cand_k, cand_v, cand_win, inv_freq: jax.Array, bound: int | None) -> Any:
+def finish_row(
+    row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *, bound: int | None = None
+) -> Any:
     """``apply_plan``, then mark the candidates routed and count the event."""
-    return mark_routed(apply_plan(row, plan, cand_k, cand_v, cand_win, inv_freq, bound), cand_win)
+    return mark_routed(apply_plan(row, plan, candidates, inv_freq, bound=bound), candidates.win)
 
 
 def mark_routed(row: Any, cand_win: jax.Array, counted: jax.Array | bool = True) -> Any:
@@ -398,7 +399,7 @@ def mark_routed(row: Any, cand_win: jax.Array, counted: jax.Array | bool = True)
     return row.replace(next_win=new_next, routing_events=row.routing_events + jnp.int32(counted))
 
 
-def idle_plan(row: Any) -> tuple[RoutingPlan, jax.Array, jax.Array, jax.Array]:
+def idle_plan(row: Any) -> tuple[RoutingPlan, Candidates]:
     """``plan_row``'s outputs for a step without an event: nothing moves, the metadata stays, no candidate."""
     caps = row.caps
     nf, nl, k = row.fp_win.shape[0], row.ledger.win.shape[0], caps.max_candidates
@@ -419,12 +420,12 @@ def idle_plan(row: Any) -> tuple[RoutingPlan, jax.Array, jax.Array, jax.Array]:
         evictions=zero,
     )
     cand = jnp.zeros((hkv, k, caps.window, d), row.local_k.dtype)
-    return plan, cand, cand, jnp.full((k,), -1, jnp.int32)
+    return plan, Candidates(cand, cand, jnp.full((k,), -1, jnp.int32))
 
 
 def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
     """One decode routing event for one batch row of a ``TieredCache`` (fields without the [B] axis)."""
-    return finish_row(row, *plan_row(row, ranking, promotion), inv_freq, None)
+    return finish_row(row, *plan_row(row, ranking, promotion), inv_freq)
 
 
 def route_stacked(
@@ -444,14 +445,12 @@ def route_stacked(
     plan_all = rows(lambda r: plan_row(r, ranking, promotion))
     if due is None:
         due = jnp.bool_(True)
-        plan, cand_k, cand_v, cand_win = plan_all(cache)
+        plan, candidates = plan_all(cache)
     else:
-        plan, cand_k, cand_v, cand_win = jax.lax.cond(due, plan_all, rows(idle_plan), cache)
+        plan, candidates = jax.lax.cond(due, plan_all, rows(idle_plan), cache)
     nf, nl = cache.caps.nf, cache.caps.nl
     m = min(ROUTING_CHUNK, nf)
-    cache = rows(lambda r, p, ck, cv, cw: quantize_candidates(r, p, ck, cv, cw, inv_freq))(
-        cache, plan, cand_k, cand_v, cand_win
-    )
+    cache = rows(lambda r, p, c: quantize_candidates(r, p, c, inv_freq))(cache, plan, candidates)
     if nl and m:
         iterations = lambda n: (jnp.max(n) + m - 1) // m
 
@@ -462,6 +461,4 @@ def route_stacked(
             0, iterations(jnp.sum(plan.f2q_target < nl, axis=-1)), moves(demote_chunk), cache
         )
         cache = jax.lax.fori_loop(0, iterations(plan.promotions), moves(promote_chunk), cache)
-    return rows(lambda r, p, ck, cv, cw: mark_routed(place_candidates(r, p, ck, cv), cw, due))(
-        cache, plan, cand_k, cand_v, cand_win
-    )
+    return rows(lambda r, p, c: mark_routed(place_candidates(r, p, c), c.win, due))(cache, plan, candidates)

@@ -24,8 +24,8 @@ from qevict_jax.core.cache import (
 )
 from qevict_jax.core.config import CacheConfig
 from qevict_jax.core.sharding import REPLICATED, ROW_HEADS, ROWS, on_shards
-from qevict_jax.engines.routing import RoutingPlan, apply_plan, compact, plan_for_row
-from qevict_jax.rankings.scoring import Ranking
+from qevict_jax.engines.routing import Candidates, RoutingPlan, apply_plan, compact, plan_for_row
+from qevict_jax.rankings.scoring import PromptPass, Ranking
 
 # ---------------------------------------------------------------------------------------------- prefill
 
@@ -36,6 +36,7 @@ def prefill_layer(
     v: jax.Array,
     cache: TieredCache,
     ctx: LayerContext,
+    *,
     ranking: Ranking,
     config: CacheConfig,
 ) -> tuple[jax.Array, TieredCache]:
@@ -52,9 +53,8 @@ def prefill_layer(
     lengths = cache.length
     out, mass, q, k, v = shared_prompt_attention(q, k, v, lengths, ctx, config.prefill_chunk)
     nwp = max(0, -(-(t - s) // w))
-    scores = ranking.prefill_window_scores(
-        q, k, lengths, mass, s, w, nwp, ctx.cfg.sliding_window, v=v, wo=ctx.wo
-    )  # [B, NWP]
+    prompt = PromptPass.of_layer(q, k, v, lengths=lengths, column_mass=mass, ctx=ctx)
+    scores = ranking.prefill_window_scores(prompt, sink=s, window=w, num_windows=nwp)  # [B, NWP]
 
     routed = jnp.maximum(0, jnp.floor_divide(lengths - s - caps.recent, w))  # [B] windows leaving the prompt
     win_ids = jnp.arange(nwp, dtype=jnp.int32)
@@ -63,10 +63,8 @@ def prefill_layer(
     plan = jax.vmap(
         lambda row, c_win, c_score: plan_for_row(row, c_win, c_score, config.promotion, ranking.spill)
     )(cache, cand_win, scores)
-    kept_win, plan, kw, vw = kept_windows(plan, cand_win, k, v, s, w, caps.nf, caps.nl)
-    cache = jax.vmap(
-        lambda row, p, c_k, c_v, c_win: apply_plan(row, p, c_k, c_v, c_win, ctx.inv_freq, bound=0)
-    )(cache, plan, kw, vw, kept_win)
+    plan, kept = kept_windows(plan, cand_win, k, v, sink=s, window=w, nf=caps.nf, nl=caps.nl)
+    cache = jax.vmap(lambda row, p, c: apply_plan(row, p, c, ctx.inv_freq, bound=0))(cache, plan, kept)
 
     # sinks and the ring tail
     cache, _ = fill_sink_and_ring(cache, k, v, lengths, routed)
@@ -84,18 +82,19 @@ def kept_windows(
     cand_win: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    *,
     sink: int,
     window: int,
     nf: int,
     nl: int,
-) -> tuple[jax.Array, RoutingPlan, jax.Array, jax.Array]:
+) -> tuple[RoutingPlan, Candidates]:
     """The prompt windows a prefill plan keeps, gathered from the prompt's K/V, and the plan over them.
 
     plan: [B]-batched ``RoutingPlan`` of the candidates cand_win [B, NWP] (-1 = none); k, v [B, T, Hkv, D].
     Only the M = min(NWP, NF + NL) windows that go to F or Q are copied out of k and v (the others are
     evicted and never read), so the placement's temporaries scale with the cache, not with the prompt.
-    Returns (window ids [B, M], -1 = none; the plan with ``c2f_target``/``c2q_target`` over them [B, M];
-    their keys and values [B, Hkv, M, W, D]).
+    Returns (the plan with ``c2f_target``/``c2q_target`` over them [B, M]; the candidates: their keys and
+    values [B, Hkv, M, W, D] and window ids [B, M], -1 = none).
     """
     b, nwp = cand_win.shape
     m = min(nwp, nf + nl)
@@ -112,7 +111,7 @@ def kept_windows(
         xw = jnp.take_along_axis(x, tok, axis=1).reshape(b, m, window, *x.shape[2:])
         return xw.transpose(0, 3, 1, 2, 4)
 
-    return take(cand_win, -1), plan, windows(k), windows(v)
+    return plan, Candidates(windows(k), windows(v), take(cand_win, -1))
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -185,6 +184,7 @@ def decode_layer(
     v: jax.Array,
     cache: TieredCache,
     ctx: LayerContext,
+    *,
     ranking: Ranking,
     use_kernel: bool = False,
 ) -> tuple[jax.Array, TieredCache]:

@@ -1,20 +1,21 @@
-"""Every eviction and quantization baseline as a small configuration or policy over the shared cache.
+"""Every eviction and quantization baseline as a configuration or a small policy over the two engines.
 
-One budget definition and two cache engines serve every method; a baseline picks a *layout*
-(``CacheConfig.layout``: the window engine's ``TieredCache`` or the token pool's ``PoolCache``) and, for the
-per-head token pool, a scoring *policy*:
+One budget definition and two cache engines serve every method. A baseline is a ranking and an allocation over
+one engine, composed, not inherited:
 
-- StreamingLLM: layout "local" (sinks + the largest recent region that fits the budget).
-- KIVI-2 / KIVI-4: layout "keep_all" (every 32-token window that leaves the 128-token full-precision residual
-  is quantized into the Q tier; nothing is evicted; the byte budget does not apply).
-- H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV, CriticalKV, ReST-KV: layout "pool": a pool of token slots
-  per layer and row, each slot owned by one KV head, so that heads keep different tokens (uniform,
-  layer-varying or head-adaptive budgets) and the memory is the pool itself. A policy is a ranking
-  (``ranking``: a ``scoring`` ranking, the interface the window engine ranks its windows with, whose
-  ``prefill_token_scores`` returns ``[B, Hkv, T]``, higher = keep, kvpress-style) and an allocation rule
-  (``allocation``: ``pool.Allocation``, which does the top-k; the pool engine does the gather).
-  Prompt-based methods compress once after prefill (``static``), decode-time methods (H2O, TOVA) re-rank
-  every step with the ranking's ``update``.
+- StreamingLLM: the window engine (``WindowMethod``) with W = 1, no Q tier and the ``RecentOnly`` allocation
+  (sinks + the largest recent region that fits the budget).
+- KIVI-2 / KIVI-4: the window engine with the ``KeepAll`` allocation (every 32-token window that leaves the
+  128-token full-precision residual is quantized into the Q tier; nothing is evicted; the byte budget does
+  not apply).
+- H2O, TOVA, key-norm, SnapKV, PyramidKV, Ada-KV, CriticalKV, ReST-KV: the token-pool engine
+  (``PoolMethod``): a pool of token slots per layer and row, each slot owned by one KV head, so that heads
+  keep different tokens (uniform, layer-varying or head-adaptive budgets) and the memory is the pool itself.
+  A policy is a ranking (``ranking``: a ``scoring`` ranking, the interface the window engine ranks its
+  windows with, whose ``prefill_token_scores`` returns ``[B, Hkv, T]``, higher = keep, kvpress-style) and an
+  allocation rule (``allocation``: ``pool.Allocation``, which does the top-k; the pool engine does the
+  gather). Prompt-based methods compress once after prefill (``static``), decode-time methods (H2O, TOVA)
+  re-rank every step with the ranking's ``update``.
 
 Question-agnostic mode and later turns are the same for every method (``generate(question_starts=...)``,
 ``generate(past=...)``): the appended tokens go through the method's decode step, so a compress-once pool
@@ -37,12 +38,13 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from models.config import ModelConfig
 from models.model import LayerContext
-from qevict_jax.core.budget import keep_all_capacities, solve_local_capacities, solve_pool_capacities
+from qevict_jax.core.budget import KeepAll, RecentOnly, solve_pool_capacities
 from qevict_jax.core.cache import PoolCache, SizedByCapacities
-from qevict_jax.core.config import CacheConfig, Capacities, num_windows
+from qevict_jax.core.config import CacheConfig, Capacities
 from qevict_jax.engines.pool import UNIFORM, Allocation, pool_decode_layer, pool_prefill_layer, route_pool_row
-from qevict_jax.methods.qevict import QEvict
+from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.rankings.scoring import (
     CriticalKVRanking,
     CumulativeAllRanking,
@@ -56,54 +58,42 @@ from qevict_jax.rankings.scoring import (
 # ---------------------------------------------------------------------------------------------- window layouts
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamingLLM(QEvict):
+def streaming_llm() -> WindowMethod:
     """StreamingLLM: attention sinks + a sliding window of recent tokens.
 
     Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453.
     Parameters (``cache``): ``sink`` = 4 sink tokens; the recent region is as large as the byte budget allows
-    (``budget.solve_local_capacities``); W = 1 and Ω = 1, so the oldest non-sink token leaves every step.
+    (``RecentOnly``: ``budget.solve_local_capacities``); W = 1 and Ω = 1, so the oldest non-sink token
+    leaves every step.
     """
-
-    name: str = "streamingllm"
-    cache: CacheConfig = CacheConfig(sink=4, window=1, omega=1, q_frac=0.0, layout="local", recent=0)
-    options: ClassVar[tuple[str, ...]] = ("sink", "prefill_chunk", "budget_bytes")
-    protects_recent: ClassVar[bool] = False
-
-    def capacities(
-        self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
-    ) -> Capacities:
-        return solve_local_capacities(self.cache, model_cfg, batch, budget_tokens, dtype)
+    return WindowMethod(
+        name="streamingllm",
+        cache=CacheConfig(sink=4, window=1, omega=1, q_frac=0.0, recent=0),
+        allocation=RecentOnly(),
+        options=("sink", "prefill_chunk", "budget_bytes"),
+        protects_recent=False,
+    )
 
 
-@dataclasses.dataclass(frozen=True)
-class KIVI(QEvict):
+def kivi(*, bits: int) -> WindowMethod:
     """KIVI: tuning-free asymmetric 2/4-bit KV quantization, nothing evicted.
 
     Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv 2402.02750.
     Parameters (``cache``): ``bits`` 2 or 4; group = ``window`` = 32 tokens (keys: one grid per channel over
     the group; values: one grid per token); full-precision residual ``recent`` = 128 newest tokens; no sinks.
-    Every group leaving the residual is quantized into the Q tier (layout "keep_all"); the measured memory
-    is what it is (``uses_budget = False``). Deviations: keys are quantized pre-RoPE (KVQuant-style, the
-    shared ledger's format) where KIVI quantizes post-RoPE keys; a value grid spans one head's D channels
-    (KIVI: groups of 32 channels); the residual slides (R to R + Ω + W - 1 tokens, Ω = 8) where KIVI's
-    fills up to R and is then flushed.
+    Every group leaving the residual is quantized into the Q tier (``KeepAll``); the measured memory is what
+    it is (no budget). Deviations: keys are quantized pre-RoPE (KVQuant-style, the shared ledger's format)
+    where KIVI quantizes post-RoPE keys; a value grid spans one head's D channels (KIVI: groups of 32
+    channels); the residual slides (R to R + Ω + W - 1 tokens, Ω = 8) where KIVI's fills up to R and is then
+    flushed.
     """
-
-    name: str = "kivi2"
-    cache: CacheConfig = CacheConfig(
-        sink=0, window=32, recent=128, omega=8, q_frac=1.0, bits=2, layout="keep_all", promotion=False
+    return WindowMethod(
+        name=f"kivi{bits}",
+        cache=CacheConfig(sink=0, window=32, recent=128, omega=8, q_frac=1.0, bits=bits, promotion=False),
+        allocation=KeepAll(),
+        options=("bits", "window", "recent", "prefill_chunk"),
+        protects_recent=False,
     )
-    uses_budget: ClassVar[bool] = False
-    options: ClassVar[tuple[str, ...]] = ("bits", "window", "recent", "prefill_chunk")
-    protects_recent: ClassVar[bool] = False
-
-    def capacities(
-        self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
-    ) -> Capacities:
-        return keep_all_capacities(
-            self.cache, num_windows(prompt_capacity + max_new_tokens, self.cache.sink, self.cache.window)
-        )
 
 
 # ---------------------------------------------------------------------------------------------- head pool
@@ -111,14 +101,14 @@ class KIVI(QEvict):
 
 @dataclasses.dataclass(frozen=True)
 class PoolMethod(SizedByCapacities, abc.ABC):
-    """Shared base of the per-head token-pool baselines (layout "pool"): sizing, prefill, decode.
+    """Shared base of the per-head token-pool baselines (the token-pool engine): sizing, prefill, decode.
 
     A policy is its ``ranking`` (token scores at the prompt end, their update at decode) and its
     ``allocation`` (how the slots go to the heads and the layers; uniform by default).
     """
 
     name: str = "pool"
-    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, static=True)
     uses_budget: ClassVar[bool] = True
     options: ClassVar[tuple[str, ...]] = ("sink", "recent", "prefill_chunk", "budget_bytes")
     protects_recent: ClassVar[bool] = False
@@ -133,24 +123,39 @@ class PoolMethod(SizedByCapacities, abc.ABC):
         """How the pool's slots go to the heads and the layers."""
         return UNIFORM
 
+    def __post_init__(self) -> None:
+        if self.cache.window != 1:
+            raise ValueError(f"{self.name}: the token pool is token-level: window must be 1, got {self.cache.window}")
+        if self.cache.deferred_head_mean:
+            raise ValueError(f"{self.name}: deferred_head_mean applies to the window engine, not the token pool")
+
     def capacities(
-        self, model_cfg, batch, prompt_capacity, max_new_tokens, dtype, budget_tokens
+        self,
+        *,
+        model_cfg: ModelConfig,
+        batch: int,
+        prompt_capacity: int,
+        max_new_tokens: int,
+        dtype: Any,
+        budget_tokens: int,
     ) -> Capacities:
         """Static sizes: the pool gets what the budget leaves after sinks and ring (``solve_pool_capacities``)."""
         selectable = prompt_capacity if self.cache.static else prompt_capacity + max_new_tokens
         caps = solve_pool_capacities(
-            self.cache, model_cfg, batch, budget_tokens, dtype, max_new_tokens, selectable
+            self.cache, model_cfg, batch, budget_tokens, dtype, max_new_tokens=max_new_tokens, max_selectable=selectable
         )
         prefix = max(1, budget_tokens - max_new_tokens - caps.recent - caps.sink)
         layer_caps = self.allocation.layer_caps(caps.pool_per_head, model_cfg.num_layers, prefix)
         return dataclasses.replace(caps, layer_caps=layer_caps)
 
-    def route(self, cache: PoolCache, inv_freq: jax.Array) -> PoolCache:
-        """A decode-time eviction event of every layer and row now (identity for compress-once pools)."""
+    def route(self, cache: PoolCache, inv_freq: jax.Array, due: jax.Array | None = None) -> PoolCache:
+        """A decode-time eviction event of every layer and row: now, or only when ``due`` [] holds, under a
+        conditional (identity for compress-once pools)."""
         if not cache.caps.decode_routing:
             return cache
         ranking = self.ranking
-        return jax.vmap(jax.vmap(lambda row: route_pool_row(row, ranking)))(cache)
+        event = jax.vmap(jax.vmap(lambda row: route_pool_row(row, ranking)))
+        return event(cache) if due is None else jax.lax.cond(due, event, lambda c: c, cache)
 
     def reserve(self, cache: PoolCache, total_tokens: int) -> PoolCache:
         """Decode-time pools hold any length; a compress-once pool keeps every later token in its ring and
@@ -170,12 +175,12 @@ class PoolMethod(SizedByCapacities, abc.ABC):
     def prefill_attend(self, q, k, v, layer_cache: PoolCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
         return pool_prefill_layer(
-            q, k, v, layer_cache, ctx, self.ranking, self.allocation, self.cache.prefill_chunk
+            q, k, v, layer_cache, ctx, ranking=self.ranking, allocation=self.allocation, chunk=self.cache.prefill_chunk
         )
 
     def decode_attend(self, q, k, v, layer_cache: PoolCache, ctx: LayerContext):
         """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
-        return pool_decode_layer(q, k, v, layer_cache, ctx, self.ranking)
+        return pool_decode_layer(q, k, v, layer_cache, ctx, ranking=self.ranking)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +195,7 @@ class H2O(PoolMethod):
     """
 
     name: str = "h2o"
-    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0.5, omega=1, q_frac=0.0, layout="pool")
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0.5, omega=1, q_frac=0.0)
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
 
     @property
@@ -209,7 +214,7 @@ class TOVA(PoolMethod):
     """
 
     name: str = "tova"
-    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, omega=1, q_frac=0.0, layout="pool")
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, omega=1, q_frac=0.0)
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
 
     @property
@@ -226,7 +231,7 @@ class KeyNorm(PoolMethod):
     """
 
     name: str = "keynorm"
-    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, q_frac=0.0, layout="pool", static=True)
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, q_frac=0.0, static=True)
 
     @property
     def ranking(self) -> KeyNormRanking:
@@ -243,7 +248,7 @@ class SnapKV(PoolMethod):
     """
 
     name: str = "snapkv"
-    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, static=True)
     n_obs: int = 32
     avg_pool_width: int = 5
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "n_obs", "avg_pool_width")
@@ -328,7 +333,7 @@ class ReSTKV(PoolMethod):
     """
 
     name: str = "restkv"
-    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, static=True)
     n_obs: int = 32
     alpha: float = 0.3
     avg_pool_width: int = 5
@@ -344,7 +349,7 @@ class ReSTKV(PoolMethod):
 
 
 BASELINES: dict[str, Any] = {
-    "streamingllm": StreamingLLM(),
+    "streamingllm": streaming_llm(),
     "h2o": H2O(),
     "tova": TOVA(),
     "keynorm": KeyNorm(),
@@ -353,10 +358,7 @@ BASELINES: dict[str, Any] = {
     "adakv": AdaKV(),
     "criticalkv": CriticalKV(),
     "restkv": ReSTKV(),
-    "kivi2": KIVI(),
-    "kivi4": KIVI(
-        name="kivi4",
-        cache=dataclasses.replace(KIVI().cache, bits=4),
-    ),
+    "kivi2": kivi(bits=2),
+    "kivi4": kivi(bits=4),
 }
 """Default instance of every baseline (their ``cache`` carries the defaults; ``make_method`` sets β)."""

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from models.model import LayerContext
-from qevict_jax.core.cache import SizedByCapacities, TieredCache
+from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.config import CacheConfig
 from qevict_jax.engines.pool import Allocation, pool_prefill_layer
 from qevict_jax.engines.window import prefill_layer
 from qevict_jax.methods.baselines import PoolMethod
-from qevict_jax.methods.qevict import QEVICT_OPTIONS, QEvict
+from qevict_jax.methods.qevict import QEVICT_OPTIONS, WindowMethod
 from qevict_jax.rankings.gates import gate_params, log_beta
 from qevict_jax.rankings.scoring import GateRanking, window_ages
 
@@ -51,7 +51,7 @@ class GatePool(PoolMethod):
     """
 
     name: str = "gates"
-    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, layout="pool", static=True)
+    cache: CacheConfig = CacheConfig(sink=0, window=1, recent=32, q_frac=0.0, static=True)
     gates: str = ""
     options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "gates")
     protects_recent: ClassVar[bool] = True
@@ -65,7 +65,7 @@ class GatePool(PoolMethod):
         gates ranking with the layer's log beta."""
         ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx))
         return pool_prefill_layer(
-            q, k, v, layer_cache, ctx, ranking, self.allocation, self.cache.prefill_chunk
+            q, k, v, layer_cache, ctx, ranking=ranking, allocation=self.allocation, chunk=self.cache.prefill_chunk
         )
 
 
@@ -120,7 +120,7 @@ GATE_QEVICT_OPTIONS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class GateQEvict(QEvict):
+class GateQEvict(WindowMethod):
     """QEvict ranked by learned retention gates (``scoring.GateRanking``).
 
     The scores in the cache are window keys (the largest head-mean log beta of the window's tokens); a
@@ -132,7 +132,7 @@ class GateQEvict(QEvict):
     name: str = "qevict-gates"
     cache: CacheConfig = CacheConfig(ranking="gates", spill=0)  # retention is per token: no spill
     gates: str = ""
-    options: ClassVar[tuple[str, ...]] = GATE_QEVICT_OPTIONS
+    options: tuple[str, ...] = GATE_QEVICT_OPTIONS
 
     @property
     def ranking(self) -> GateRanking:
@@ -141,7 +141,7 @@ class GateQEvict(QEvict):
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
         ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx), spill=self.spill_windows)
-        out, cache = prefill_layer(q, k, v, layer_cache, ctx, ranking, self.cache)
+        out, cache = prefill_layer(q, k, v, layer_cache, ctx, ranking=ranking, config=self.cache)
         return out, scores_to_keys(cache)
 
     def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
@@ -158,11 +158,11 @@ class GateQEvict(QEvict):
         return out, cache.replace(loc_score=jnp.where(first, lb, loc))
 
     def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
-        """A routing event at t = length: keys -> scores, QEvict's routing, scores -> keys."""
-        return scores_to_keys(super().route(keys_to_scores(cache), inv_freq, due))
-
-    # the key <-> score round trip is not exact, so it runs only at events: under the conditional
-    decode_route = SizedByCapacities.decode_route
+        """A routing event at t = length: keys -> scores, the window engine's routing, scores -> keys. With
+        ``due`` under a conditional: the key <-> score round trip is not exact, so it runs only at events."""
+        if due is not None:
+            return jax.lax.cond(due, lambda c: self.route(c, inv_freq), lambda c: c, cache)
+        return scores_to_keys(super().route(keys_to_scores(cache), inv_freq))
 
 
 GATE_METHODS = {"gates": GatePool(), "gates-global": GatePoolGlobal(), "qevict-gates": GateQEvict()}

@@ -1,4 +1,4 @@
-"""QEvict: the three-tier window cache as a KV method, and its named configurations (the paper's R1-R4).
+"""The window engine's KV method (``WindowMethod``), and QEvict's named configurations (the paper's R1-R4).
 
 Every variant is a ``CacheConfig`` over the same window engine (``qevict_jax.engines.window``): R1-R4 differ in
 window size and in whether the Q tier exists; "qevict-nospill" ranks each window by its own score only (the
@@ -10,16 +10,16 @@ observation-window initialization).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 
 from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.dispatch import use_pallas
-from qevict_jax.core.budget import solve_capacities
+from qevict_jax.core.budget import BudgetedTiers, WindowAllocation
 from qevict_jax.core.cache import SizedByCapacities, TieredCache
-from qevict_jax.core.config import CacheConfig, Capacities, num_windows
+from qevict_jax.core.config import CacheConfig, Capacities
 from qevict_jax.core.sharding import DATA, REPLICATED, on_shards, row_specs
 from qevict_jax.engines.routing import route_stacked
 from qevict_jax.engines.window import decode_layer, fold_head_means, prefill_layer
@@ -49,17 +49,30 @@ QEVICT_OPTIONS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class QEvict(SizedByCapacities):
-    """Three-tier window cache (F full precision, Q packed low-bit with a persistent ledger, evicted).
+class WindowMethod(SizedByCapacities):
+    """A method of the window engine: its ranking (``cache.ranking`` and the options of the ranking) ×
+    its ``allocation`` of the budget (``budget.WindowAllocation``) over the F / Q / evicted window tiers
+    (``engines.window``, ``engines.routing``). QEvict (arXiv 2608.05326), R1-R4, StreamingLLM and KIVI are
+    configurations of it (``VARIANTS``, ``baselines``).
 
-    QEvict, arXiv 2608.05326. ``cache``: the static configuration (budget, window, tiers, ranking).
+    name: registry name. cache: the static configuration (budget, window, tiers, ranking). allocation: how the
+    budget becomes capacities. options: the names ``configure`` may set (fields of ``cache``).
+    protects_recent: the recent region is the method's own protected window, set by a benchmark's protocol.
     """
 
     name: str = "qevict"
     cache: CacheConfig = CacheConfig()
-    uses_budget: ClassVar[bool] = True
-    options: ClassVar[tuple[str, ...]] = QEVICT_OPTIONS
-    protects_recent: ClassVar[bool] = True
+    allocation: WindowAllocation = BudgetedTiers()
+    options: tuple[str, ...] = QEVICT_OPTIONS
+    protects_recent: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cache.static:
+            raise ValueError(f"{self.name}: static (compress-once) caches are the token pool's, not the window engine's")
+
+    @property
+    def uses_budget(self) -> bool:
+        return self.allocation.uses_budget
 
     @property
     def ranking(self) -> Ranking:
@@ -80,6 +93,7 @@ class QEvict(SizedByCapacities):
 
     def capacities(
         self,
+        *,
         model_cfg: ModelConfig,
         batch: int,
         prompt_capacity: int,
@@ -87,17 +101,25 @@ class QEvict(SizedByCapacities):
         dtype: Any,
         budget_tokens: int,
     ) -> Capacities:
-        """Static buffer sizes for a batch (see ``budget.solve_capacities``)."""
-        max_windows = num_windows(prompt_capacity + max_new_tokens, self.cache.sink, self.cache.window)
-        return solve_capacities(self.cache, model_cfg, batch, budget_tokens, dtype, max_windows=max_windows)
+        """Static buffer sizes for a batch: the ``allocation``'s."""
+        return self.allocation.capacities(
+            self.cache,
+            model_cfg=model_cfg,
+            batch=batch,
+            max_tokens=prompt_capacity + max_new_tokens,
+            dtype=dtype,
+            budget_tokens=budget_tokens,
+        )
 
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
-        return prefill_layer(q, k, v, layer_cache, ctx, self.ranking, self.cache)
+        return prefill_layer(q, k, v, layer_cache, ctx, ranking=self.ranking, config=self.cache)
 
     def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
         """A routing event of every layer and row of a stacked cache (windows that left the recent region
-        compete, Q windows whose scores rose are promoted); ``due`` [] bool: only if it holds (None: always)."""
+        compete, Q windows whose scores rose are promoted); ``due`` [] bool: only if it holds (None: always).
+        With ``due`` the plan runs every call and the moves are masked by it, with no conditional around them
+        (``routing.route_stacked``)."""
         cache = fold_head_means(cache, due)  # before the plan reads the scores
         # per shard of rows on a mesh: XLA partitions the plan's vmapped top_k by gathering its batch axis
         rows = row_specs(cache)
@@ -108,20 +130,15 @@ class QEvict(SizedByCapacities):
         specs = (rows, REPLICATED, REPLICATED)
         return on_shards(run, in_specs=specs, out_specs=rows, axes=(DATA,))(cache, inv_freq, due)
 
-    def decode_route(self, cache: TieredCache, inv_freq: jax.Array) -> TieredCache:
-        """After a decode step: ``route`` every step, moving data only when an event is due (``routing_due``;
-        no conditional around the moves, see ``routing.route_stacked``)."""
-        if not cache.caps.decode_routing:
-            return cache
-        return self.route(cache, inv_freq, due=self.routing_due(cache))
-
     def reserve(self, cache: TieredCache, total_tokens: int) -> TieredCache:
         """The window tiers are sized by the byte budget, not the length: any length fits."""
         return cache
 
     def decode_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, 1, H, D], k, v [B, 1, Hkv, D] (post-RoPE) -> (out [B, 1, H, D], layer cache)."""
-        return decode_layer(q, k, v, layer_cache, ctx, self.ranking, use_pallas(self.cache.pallas))
+        return decode_layer(
+            q, k, v, layer_cache, ctx, ranking=self.ranking, use_kernel=use_pallas(self.cache.pallas)
+        )
 
 
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -18,7 +18,7 @@ from qevict_jax.core.kv import FullKV, KVMethod
 from qevict_jax.core.sharding import to_host
 from qevict_jax.methods.baselines import BASELINES
 from qevict_jax.methods.gate_methods import GATE_METHODS
-from qevict_jax.methods.qevict import VARIANTS, QEvict
+from qevict_jax.methods.qevict import VARIANTS, WindowMethod
 
 
 def available_methods() -> list[str]:
@@ -31,7 +31,7 @@ def default_method(name: str) -> KVMethod:
     if name == "full":
         return FullKV()
     if name in VARIANTS:
-        return QEvict(name=name, cache=CacheConfig(**VARIANTS[name]))
+        return WindowMethod(name=name, cache=CacheConfig(**VARIANTS[name]))
     if name in BASELINES:
         return BASELINES[name]
     if name in GATE_METHODS:
@@ -46,6 +46,11 @@ RENAMED_OPTIONS: dict[str, str] = {
 }
 """Option names of the previous release, each with the name(s) that replaced it: a clear error, not a silent
 no-op, for scripts that still use them."""
+
+
+STRUCTURE = ("allocation", "options", "protects_recent")
+"""Fields of a method that say what it is, not options: never set by ``configure`` (no method lists them in its
+``options``)."""
 
 
 def configure(method: KVMethod, budget: float | None = None, **options: Any) -> KVMethod:
@@ -63,7 +68,7 @@ def configure(method: KVMethod, budget: float | None = None, **options: Any) -> 
             f"method {method.name!r} has no option {', '.join(map(repr, unknown))}; "
             f"its options: {', '.join(sorted(method.options))}"
         )
-    own_fields = {f.name for f in dataclasses.fields(method)} - {"name", "cache"}
+    own_fields = {f.name for f in dataclasses.fields(method)} - {"name", "cache", *STRUCTURE}
     own = {k: v for k, v in options.items() if k in own_fields}
     cfg = {k: v for k, v in options.items() if k not in own_fields}
     if "cache" in {f.name for f in dataclasses.fields(method)}:
@@ -86,7 +91,7 @@ def method_option(method: KVMethod, name: str) -> Any:
     """The current value of option ``name`` of ``method`` (its own field, else its cache's)."""
     if name not in method.options:
         raise ValueError(f"method {method.name!r} has no option {name!r}")
-    own = {f.name for f in dataclasses.fields(method)} - {"name", "cache"}
+    own = {f.name for f in dataclasses.fields(method)} - {"name", "cache", *STRUCTURE}
     return getattr(method, name) if name in own else getattr(method.cache, name)
 
 

@@ -165,6 +165,7 @@ def restkv_scores(
     v: jax.Array,
     end: jax.Array,
     wo: jax.Array,
+    *,
     n_obs: int,
     alpha: float,
     sliding_window: int | None,
@@ -234,6 +235,7 @@ def criticalkv_scores(
     wo: jax.Array,
     eligible: jax.Array,
     capacity: int,
+    *,
     first_stage_ratio: float = 0.5,
     epsilon: float = 1e-4,
 ) -> jax.Array:

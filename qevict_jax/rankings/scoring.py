@@ -9,9 +9,9 @@ ranking (``ScoreDynamics``) provides:
 
 and one or both of the prompt-time scores:
 
-- ``prefill_window_scores(...)`` [B, NW]: head-mean score of every prompt window, for the window engine
+- ``prefill_window_scores(prompt, sink=, window=, num_windows=)`` [B, NW]: head-mean score of every prompt window, for the window engine
   (``qevict_jax.engines.window``: QEvict and its variants) — every ``Ranking``;
-- ``prefill_token_scores(...)`` [B, Hkv, T]: per-KV-head score of every prompt token, for the token pool
+- ``prefill_token_scores(prompt, caps)`` [B, Hkv, T]: per-KV-head score of every prompt token, for the token pool
   (``qevict_jax.engines.pool``: the per-head eviction baselines, whose policy is one of these rankings plus an
   allocation rule, ``pool.Allocation``) — the rankings marked *token* below (``TokenRanking``).
 
@@ -42,6 +42,41 @@ from qevict_jax.rankings.attention_scores import (
     restkv_scores,
     snapkv_scores,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptPass:
+    """One layer's prompt pass: what the rankings' prompt-time scores read (built inside the traced prefill).
+
+    q [B, T, H, D], k, v [B, T, Hkv, D]: post-RoPE, rows right-padded (v may be None for rankings that do
+    not read it); lengths [B]: each row's valid tokens, the context end; column_mass [B, Hkv, G, T]: the
+    attention each key received from every valid query (None where it was not computed); sliding_window:
+    the layer's (None: none); wo [H*D, Dm]: the layer's output projection (ReST-KV, CriticalKV);
+    token_positions [B, T]: absolute positions (None: 0..T-1, a prompt that starts the sequence).
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array | None
+    lengths: jax.Array
+    column_mass: jax.Array | None = None
+    sliding_window: int | None = None
+    wo: jax.Array | None = None
+    token_positions: jax.Array | None = None
+
+    @classmethod
+    def of_layer(
+        cls, q: jax.Array, k: jax.Array, v: jax.Array, *, lengths: jax.Array, column_mass: jax.Array, ctx: LayerContext
+    ) -> PromptPass:
+        """The pass of the layer ``ctx`` (its sliding window, W_O and positions)."""
+        return cls(q, k, v, lengths, column_mass, ctx.cfg.sliding_window, ctx.wo, ctx.positions)
+
+    @property
+    def positions(self) -> jax.Array:
+        """[B, T] (or [1, T]) int32 absolute positions of the prompt's tokens."""
+        if self.token_positions is not None:
+            return self.token_positions
+        return jnp.arange(self.q.shape[1], dtype=jnp.int32)[None]
 
 
 def window_sums(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:
@@ -120,21 +155,9 @@ class TokenRanking(Protocol):
 
     def candidate_score(self, ring_score: jax.Array, k_window: jax.Array) -> jax.Array: ...
 
-    def prefill_token_scores(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        positions: jax.Array,
-        end: jax.Array,
-        mass: jax.Array,
-        ctx: LayerContext,
-        caps: Any,
-    ) -> jax.Array:
-        """Token scores [B, Hkv, T] (higher = keep) of a prompt pass: q [B, T, H, D], k, v [B, T, Hkv, D]
-        (post-RoPE), positions [B, T], the context end [B], the column mass [B, Hkv, G, T] (the attention
-        each key received from every valid query), the layer (``ctx``: W_O, sliding window, hidden states)
-        and the pool's ``Capacities`` (``caps``: sinks, recent region, slots per head)."""
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
+        """Token scores [B, Hkv, T] (higher = keep) of a prompt pass (``PromptPass``), given the pool's
+        ``Capacities`` (``caps``: sinks, recent region, slots per head)."""
         ...
 
 
@@ -154,32 +177,20 @@ class Ranking(ScoreDynamics):
     spill: int = 0
     name: ClassVar[str] = "cumulative"
 
-    def prefill_window_scores(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        lengths: jax.Array,
-        column_mass: jax.Array,
-        sink: int,
-        window: int,
-        num_windows: int,
-        sliding_window: int | None,
-        v: jax.Array | None = None,
-        wo: jax.Array | None = None,
-    ) -> jax.Array:
-        """Scores [B, NW] of the prompt windows after the prompt pass (docs/design.md §6).
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        """Scores [B, NW] of the prompt windows after the prompt pass (docs/design.md §6); window w covers
+        positions [S + wW, S + (w+1)W).
 
-        q [B, T, H, D], k [B, T, Hkv, D] (post-RoPE, positions 0..T-1), lengths [B] (right padding);
-        column_mass [B, Hkv, G, T]: attention each key received from every valid query ("cumulative-all").
-        v [B, T, Hkv, D] and wo [H*D, Dm] (the layer's output projection): needed by "restkv".
         Here: the observation rows (``observation_mass``) summed, per window, so that prefill and decode add
         mass in the same units (one query row = one decode step).
         """
-        return window_sums(self.rows(q, k, lengths, sliding_window).sum(axis=1), sink, window, num_windows)
+        return window_sums(self.rows(prompt).sum(axis=1), sink, window, num_windows)
 
-    def rows(self, q: jax.Array, k: jax.Array, lengths: jax.Array, sliding_window: int | None) -> jax.Array:
+    def rows(self, prompt: PromptPass) -> jax.Array:
         """The observation window's head-mean attention rows [B, n_obs, T] (``observation_mass``)."""
-        return observation_mass(q, k, lengths, self.n_obs, sliding_window, self.max_pool_width)
+        return observation_mass(
+            prompt.q, prompt.k, prompt.lengths, self.n_obs, prompt.sliding_window, self.max_pool_width
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,14 +201,12 @@ class CumulativeAllRanking(Ranking):
 
     name: ClassVar[str] = "cumulative-all"
 
-    def prefill_window_scores(
-        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
-    ):
-        return window_sums(column_mass.mean(axis=(1, 2)), sink, window, num_windows)
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        return window_sums(prompt.column_mass.mean(axis=(1, 2)), sink, window, num_windows)
 
-    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
         """H2O: the mass every query gave each token, group mean per KV head."""
-        return mass.mean(axis=2)
+        return prompt.column_mass.mean(axis=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,10 +220,8 @@ class DecayedRanking(Ranking):
     def update(self, score, mass):
         return self.decay * score + mass
 
-    def prefill_window_scores(
-        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
-    ):
-        rows = self.rows(q, k, lengths, sliding_window)  # [B, n, T], n = n_obs clipped to the prompt
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        rows = self.rows(prompt)  # [B, n, T], n = n_obs clipped to the prompt
         weights = jnp.power(self.decay, jnp.arange(rows.shape[1] - 1, -1, -1, dtype=jnp.float32))
         return window_sums(jnp.einsum("bnt,n->bt", rows, weights), sink, window, num_windows)
 
@@ -231,10 +238,8 @@ class PNormRanking(Ranking):
     def update(self, score, mass):
         return score + jnp.power(jnp.maximum(mass, 0.0), self.p)
 
-    def prefill_window_scores(
-        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
-    ):
-        rows = self.rows(q, k, lengths, sliding_window)
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        rows = self.rows(prompt)
         per_row = jax.vmap(lambda x: window_sums(x, sink, window, num_windows), in_axes=1, out_axes=1)(rows)
         return jnp.sum(jnp.power(per_row, self.p), axis=1)
 
@@ -251,15 +256,13 @@ class KeyNormRanking(Ranking):
     def candidate_score(self, ring_score, k_window):
         return key_norm_score(k_window)
 
-    def prefill_window_scores(
-        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
-    ):
-        kw = prompt_windows(k, sink, window, num_windows)  # [B, NW, W, Hkv, D]
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        kw = prompt_windows(prompt.k, sink, window, num_windows)  # [B, NW, W, Hkv, D]
         return key_norm_score(kw.swapaxes(2, 3))
 
-    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
         """Key-norm (kvpress ``KnormPress``): minus each key's norm, per KV head."""
-        return -key_norms(k).swapaxes(1, 2)
+        return -key_norms(prompt.k).swapaxes(1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,17 +278,12 @@ class RestKVRanking(Ranking):
     scale: float = 200.0
     name: ClassVar[str] = "restkv"
 
-    def prefill_window_scores(
-        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
-    ):
-        if v is None or wo is None:
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        if prompt.v is None or prompt.wo is None:
             raise ValueError("the restkv ranking needs the values and the layer's W_O (LayerContext.wo)")
-        obs_w = super().prefill_window_scores(
-            q, k, lengths, column_mass, sink, window, num_windows, sliding_window
-        )
-        tok = restkv_scores(
-            q, k, v, lengths, wo, self.n_obs, self.alpha, sliding_window, None, self.avg_pool_width
-        ).mean(1)
+        obs_w = super().prefill_window_scores(prompt, sink=sink, window=window, num_windows=num_windows)
+        tok = self.token_scores(prompt, None).mean(1)
+        lengths = prompt.lengths
         rest_w = window_sums(tok, sink, window, num_windows)
         win_end = sink + (jnp.arange(num_windows) + 1) * window
         early = win_end[None] <= (lengths - self.n_obs)[:, None]
@@ -294,20 +292,25 @@ class RestKVRanking(Ranking):
         scale = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 1.0)
         return jnp.where(early, rest_w * scale, obs_w)
 
-    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
         """ReST-KV per KV head with its adaptive pooling window for the pool's ``caps.pool_per_head`` slots."""
+        return self.token_scores(prompt, caps.pool_per_head)
+
+    def token_scores(self, prompt: PromptPass, slots: int | None) -> jax.Array:
+        """``restkv_scores`` [B, Hkv, T] of the prompt; ``slots``: the pool's slots per head, for the adaptive
+        pooling width (None: the fixed ``avg_pool_width``)."""
         return restkv_scores(
-            q,
-            k,
-            v,
-            end,
-            ctx.wo,
-            self.n_obs,
-            self.alpha,
-            ctx.cfg.sliding_window,
-            caps.pool_per_head,
-            self.avg_pool_width,
-            self.scale,
+            prompt.q,
+            prompt.k,
+            prompt.v,
+            prompt.lengths,
+            prompt.wo,
+            n_obs=self.n_obs,
+            alpha=self.alpha,
+            sliding_window=prompt.sliding_window,
+            capacity=slots,
+            min_kernel=self.avg_pool_width,
+            scale=self.scale,
         )
 
 
@@ -352,18 +355,16 @@ class GateRanking(Ranking):
             raise ValueError("the gates ranking needs learned gates: use the method qevict-gates (gates=DIR)")
         return self.log_beta
 
-    def prefill_window_scores(
-        self, q, k, lengths, column_mass, sink, window, num_windows, sliding_window, v=None, wo=None
-    ):
-        positions = jnp.arange(q.shape[1], dtype=jnp.int32)[None]
-        lb = jnp.where(positions < lengths[:, None], self.gates().mean(axis=-1), GATE_FLOOR)  # [B, T]
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        lengths = prompt.lengths
+        lb = jnp.where(prompt.positions < lengths[:, None], self.gates().mean(axis=-1), GATE_FLOOR)  # [B, T]
         keys = window_max(lb, sink, window, num_windows)  # [B, NW]
         wins = jnp.arange(num_windows, dtype=jnp.int32)[None]
         return window_ages(wins, lengths, sink, window) * keys
 
-    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
         """TRIM-KV's inference score ``(t - pos) log beta`` per KV head at the prompt end t."""
-        age = (end[:, None] - positions).astype(jnp.float32)
+        age = (prompt.lengths[:, None] - prompt.positions).astype(jnp.float32)
         return age[:, None, :] * self.gates().transpose(0, 2, 1)
 
 
@@ -389,11 +390,12 @@ class TOVARanking(Ranking):
     def update(self, score, mass):
         return mass
 
-    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
         """The head-mean attention rows of the last ``n_obs`` queries, summed, the same for every KV head."""
-        probs = observation_attention(q, k, end, self.n_obs, ctx.cfg.sliding_window)  # [B, Hkv, G, n, T]
-        rows = probs.sum(axis=3).mean(axis=(1, 2))  # [B, T]
-        return jnp.broadcast_to(rows[:, None], (k.shape[0], k.shape[2], k.shape[1]))
+        probs = observation_attention(prompt.q, prompt.k, prompt.lengths, self.n_obs, prompt.sliding_window)
+        rows = probs.sum(axis=3).mean(axis=(1, 2))  # [B, T]; probs [B, Hkv, G, n, T]
+        b, t, hkv = prompt.k.shape[:3]
+        return jnp.broadcast_to(rows[:, None], (b, hkv, t))
 
 
 RANKINGS: dict[str, type[Ranking]] = {
@@ -440,8 +442,10 @@ class SnapKVRanking(ScoreDynamics):
     n_obs: int = 32
     avg_pool_width: int = 5
 
-    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        return snapkv_scores(q, k, end, self.n_obs, self.avg_pool_width, ctx.cfg.sliding_window)
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
+        return snapkv_scores(
+            prompt.q, prompt.k, prompt.lengths, self.n_obs, self.avg_pool_width, prompt.sliding_window
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,9 +457,10 @@ class CriticalKVRanking(SnapKVRanking):
     first_stage_ratio: float = 0.5
     epsilon: float = 1e-4
 
-    def prefill_token_scores(self, q, k, v, positions, end, mass, ctx, caps):
-        base = super().prefill_token_scores(q, k, v, positions, end, mass, ctx, caps)
-        eligible = (positions >= caps.sink) & (positions < (end - caps.recent)[:, None])
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
+        base = super().prefill_token_scores(prompt, caps)
+        positions = prompt.positions
+        eligible = (positions >= caps.sink) & (positions < (prompt.lengths - caps.recent)[:, None])
         return criticalkv_scores(
-            base, v, ctx.wo, eligible, caps.pool_per_head, self.first_stage_ratio, self.epsilon
+            base, prompt.v, prompt.wo, eligible, caps.pool_per_head, first_stage_ratio=self.first_stage_ratio, epsilon=self.epsilon
         )

@@ -102,7 +102,9 @@ def _teacher_forced(
     model: Transformer = nnx.merge(graphdef, state)
     t = targets.shape[1]
     inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
-    logits0, cache = prefill_logits(model, tokens, lengths, method, t, budget_tokens, kv_dtype)
+    logits0, cache = prefill_logits(
+        model, tokens, lengths, method, max_new_tokens=t, budget_tokens=budget_tokens, kv_dtype=kv_dtype
+    )
 
     def body(cache, xs):
         token, step = xs

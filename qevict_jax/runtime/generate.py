@@ -44,6 +44,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     sampler: SamplerConfig,
     method: KVMethod | None = None,
+    *,
     seed: int = 0,
     budget_rounding: str = "bucket",
     question_starts: Sequence[int] | None = None,
@@ -119,12 +120,12 @@ def generate_shared(
     prompts: Sequence[Sequence[int]],
     sampler: SamplerConfig,
     methods: Sequence[KVMethod],
+    *,
     seed: int = 0,
     budget_rounding: str = "bucket",
     question_starts: Sequence[int] | None = None,
     kv_dtype: Any = DEFAULT_KV_DTYPE,
     mesh: Mesh | None = None,
-    *,
     on_token: TokenSink | None = None,
 ) -> list[GenerationResult]:
     """``generate`` with several methods on the same prompts, from one prompt pass (``Fanout``): one

@@ -145,6 +145,7 @@ def prefill_logits(
     tokens,
     lengths,
     method: KVMethod,
+    *,
     max_new_tokens: int,
     budget_tokens: int,
     kv_dtype,
@@ -179,7 +180,14 @@ def _prefill(
     """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache with room for ``capacity_new``)."""
     model: Transformer = nnx.merge(graphdef, state)
     logits, cache = prefill_logits(
-        model, tokens, lengths, method, capacity_new, budget_tokens, kv_dtype, mesh
+        model,
+        tokens,
+        lengths,
+        method,
+        max_new_tokens=capacity_new,
+        budget_tokens=budget_tokens,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
     )
     return sample(logits, rng, sampler), cache
 

@@ -247,6 +247,7 @@ def train(
     ids: np.ndarray,
     tcfg: TrainConfig,
     out: str | Path,
+    *,
     max_seconds: float | None = None,
     extra_config: dict[str, Any] | None = None,
     progress: bool = True,
