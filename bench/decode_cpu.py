@@ -39,8 +39,8 @@ from qevict_jax.runtime.sampling import SamplerConfig
 class NoDecodeRouting(BudgetedTiers):
     """QEvict's capacities with no decode-time routing: the same buffers, the baseline of the routing share."""
 
-    def capacities(self, cache_cfg, **sizes):
-        return dataclasses.replace(super().capacities(cache_cfg, **sizes), decode_routing=False)
+    def capacities(self, cache_cfg, request):
+        return dataclasses.replace(super().capacities(cache_cfg, request), decode_routing=False)
 
 
 def release_compiled() -> None:

@@ -7,7 +7,7 @@ that same cache, interleaved and repeated:
   ``Capacities.decode_routing=False``), and with a route that returns the cache unchanged;
 - one routing event of the whole stacked cache (``QEvict.route``), the same call on a step without an
   event (``due=False``: the idle plan, no move), the plan alone, and the moves of one row on the single-shot
-  path (``routing.finish_row``, one chunk of ``ROUTING_CHUNK`` windows and every F slot).
+  path (``migrate.finish_row``, one chunk of ``ROUTING_CHUNK`` windows and every F slot).
 
 Every timing is the median over ``--repeats`` interleaved rounds, with its spread (min-max). The last line
 is the headline: routing's share of the decode loop (with - without, over with).
@@ -33,7 +33,8 @@ from models.registry import resolve_model
 from models.tokenizer import Tokenizer
 from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE
-from qevict_jax.engines.routing import ROUTING_CHUNK, finish_row, plan_counts, plan_row
+from qevict_jax.engines.migrate import ROUTING_CHUNK, finish_row
+from qevict_jax.engines.routing import plan_counts, plan_row
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
 from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.methods.registry import make_method

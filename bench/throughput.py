@@ -65,7 +65,7 @@ from models.checkpoint import load_model
 from models.config import ModelConfig
 from models.model import Transformer, uncached_attend
 from models.registry import resolve_model
-from qevict_jax.core.kv import KVMethod
+from qevict_jax.core.kv import CacheRequest, KVMethod
 from qevict_jax.core.sharding import make_mesh
 from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
@@ -143,7 +143,15 @@ def planned_cache_bytes(
     capacity = bucket_length(max(lengths))
     shapes = jax.eval_shape(
         lambda: method.init_cache(
-            cfg, jnp.asarray(lengths, jnp.int32), capacity, new_tokens, kv_dtype, budget_tokens
+            CacheRequest(
+                model_cfg=cfg,
+                batch=len(lengths),
+                prompt_capacity=capacity,
+                max_new_tokens=new_tokens,
+                dtype=kv_dtype,
+                budget_tokens=budget_tokens,
+            ),
+            jnp.asarray(lengths, jnp.int32),
         )
     )
     return int(sum(np.prod(s.shape, dtype=np.int64) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))

@@ -31,7 +31,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from models.checkpoint import INFO_FILE, is_converted_checkpoint
-from models.convert import CorruptCheckpointError, convert
+from models.convert import convert
+from models.sources import CorruptCheckpointError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # the header layout read here (magic, u32 version, u64 tensor count) is that of v2+

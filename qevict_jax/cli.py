@@ -12,7 +12,6 @@ import numpy as np
 
 from models.convert import convert
 from models.tokenizer import token_index
-from qevict_jax.core.cache import SinkRingCache
 from qevict_jax.core.sharding import make_mesh
 from qevict_jax.diagnostics.run import add_diagnose_parser, cmd_diagnose
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
@@ -148,14 +147,6 @@ def _budget(method) -> float:
     return 1.0 if method.budget is None else method.budget
 
 
-def _routing_stats(cache) -> dict:
-    """Routing counters of a budgeted cache; zeros for caches that never route (Full-KV)."""
-    if isinstance(cache, SinkRingCache):
-        return cache_stats(cache)
-    zeros = [0] * int(cache.length.shape[-1])
-    return {"routing_events": zeros, "promotions": zeros, "demotions": zeros, "evictions": zeros}
-
-
 def _encode_prompt(tok, context: str, question: str | None, chat: bool) -> tuple[list[int], int]:
     """Token ids of the prompt (context, then the question if any, in the chat template when ``chat``) and
     the index of the first question token (the prompt length when there is no question)."""
@@ -212,7 +203,7 @@ def cmd_generate(args) -> int:
         mesh=_generate_mesh(args.mesh),
         on_token=stream,
     )
-    routing = _routing_stats(res.cache)  # every process takes part (a cache across processes is gathered)
+    routing = cache_stats(res.cache)  # every process takes part (a cache across processes is gathered)
     if not is_main():  # only process 0 prints
         return 0
     out = tok.decode(res.tokens[0])
@@ -344,7 +335,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_methods(args) -> int:
-
     print("\n".join(available_methods()))
     return 0
 

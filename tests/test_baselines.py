@@ -15,11 +15,12 @@ from models.model import LayerContext
 from pallas_kernels.quant import rope_windows
 from qevict_jax.core.budget import pyramid_layer_caps
 from qevict_jax.core.cache import ring_positions, ring_valid
-from qevict_jax.core.kv import full_kv_bytes
+from qevict_jax.core.kv import CacheRequest, full_kv_bytes
 from qevict_jax.engines.window import prefill_layer
 from qevict_jax.methods.registry import make_method
 from qevict_jax.rankings.attention_scores import restkv_scores
-from qevict_jax.rankings.scoring import PromptPass, Ranking, make_ranking, window_sums
+from qevict_jax.rankings.scoring import PromptPass, Ranking, make_ranking
+from qevict_jax.rankings.windows import window_sums
 
 MODEL = ModelConfig(
     family="llama",
@@ -48,7 +49,7 @@ def run_prefill(method, q, k, v, wo, lengths=LENGTHS, layer=0, new=4, budget_tok
     """One layer's prefill through the method: returns (out, layer cache)."""
     lengths_j = jnp.asarray(lengths, jnp.int32)
     bt = budget_tokens or int(lengths.min()) + new
-    cache = method.init_cache(MODEL, lengths_j, T, new, jnp.float32, bt)
+    cache = method.init_cache(CacheRequest(model_cfg=MODEL, batch=lengths_j.shape[0], prompt_capacity=T, max_new_tokens=new, dtype=jnp.float32, budget_tokens=bt), lengths_j)
     cache = jax.tree.map(lambda x: x[layer], cache)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     ctx = LayerContext(
@@ -389,7 +390,7 @@ def test_kivi_quantization_matches_numpy(name, bits):
     v = rs.randn(1, t, HKV, D).astype(np.float32)
     method = make_method(name)
     lengths = jnp.asarray([t], jnp.int32)
-    cache = method.init_cache(MODEL, lengths, t, 8, jnp.float32, 0)
+    cache = method.init_cache(CacheRequest(model_cfg=MODEL, batch=lengths.shape[0], prompt_capacity=t, max_new_tokens=8, dtype=jnp.float32, budget_tokens=0), lengths)
     cache = jax.tree.map(lambda x: x[0], cache)
     caps = cache.caps
     assert caps.nf == 0 and caps.window == 32 and caps.recent == 128 and caps.bits == bits
@@ -470,7 +471,8 @@ def test_baseline_cache_fits_the_budget(name, beta):
     for batch, dtype in [(1, jnp.float32), (2, jnp.bfloat16)]:
         cache = jax.eval_shape(
             lambda m=method, b=batch, dt=dtype: m.init_cache(
-                MODEL, jnp.full((b,), p, jnp.int32), p, new, dt, p + new
+                CacheRequest(model_cfg=MODEL, batch=b, prompt_capacity=p, max_new_tokens=new, dtype=dt, budget_tokens=p + new),
+                jnp.full((b,), p, jnp.int32),
             )
         )
         budget = beta * full_kv_bytes(MODEL, p + new, dtype, batch)

@@ -14,7 +14,7 @@ from models.config import ModelConfig
 from qevict_jax.core import config
 from qevict_jax.core.budget import solve_capacities
 from qevict_jax.core.config import CacheConfig
-from qevict_jax.core.kv import cache_nbytes, full_kv_bytes
+from qevict_jax.core.kv import CacheRequest, cache_nbytes, full_kv_bytes
 from qevict_jax.methods.registry import available_methods, make_method
 from qevict_jax.rankings import scoring
 
@@ -46,7 +46,7 @@ def test_real_cache_fits_the_budget(beta, lengths, wb, batch_dtype):
     window, bits = wb
     method = make_method("qevict", budget=beta, window=window, bits=bits, recent=64)
     budget_tokens = prompt + new
-    cache = method.init_cache(MODEL, jnp.full((batch,), prompt, jnp.int32), prompt, new, dtype, budget_tokens)
+    cache = method.init_cache(CacheRequest(model_cfg=MODEL, batch=batch, prompt_capacity=prompt, max_new_tokens=new, dtype=dtype, budget_tokens=budget_tokens), jnp.full((batch,), prompt, jnp.int32))
     budget = beta * full_kv_bytes(MODEL, budget_tokens, dtype, batch)
     assert cache_nbytes(cache) <= budget
     caps = cache.caps
@@ -65,7 +65,7 @@ def test_real_cache_fits_the_budget(beta, lengths, wb, batch_dtype):
 )
 def test_every_variant_fits(name):
     method = make_method(name, budget=0.3)
-    cache = method.init_cache(MODEL, jnp.full((2,), 2000, jnp.int32), 2048, 256, jnp.bfloat16, 2256)
+    cache = method.init_cache(CacheRequest(model_cfg=MODEL, batch=2, prompt_capacity=2048, max_new_tokens=256, dtype=jnp.bfloat16, budget_tokens=2256), jnp.full((2,), 2000, jnp.int32))
     assert cache_nbytes(cache) <= 0.3 * full_kv_bytes(MODEL, 2256, jnp.bfloat16, 2)
 
 
@@ -78,8 +78,8 @@ def test_doubling_length_at_fixed_bytes_keeps_f_and_q(window, q_frac, bits):
     assert small.nf + small.nq > 0
     method = make_method("qevict", window=window, q_frac=q_frac, bits=bits, recent=64, budget_bytes=250_000)
     lengths = jnp.full((2,), 3000, jnp.int32)
-    c1 = method.init_cache(MODEL, lengths, 3072, 1000, jnp.float16, 4000)
-    c2 = method.init_cache(MODEL, lengths, 7168, 1000, jnp.float16, 8000)
+    c1 = method.init_cache(CacheRequest(model_cfg=MODEL, batch=lengths.shape[0], prompt_capacity=3072, max_new_tokens=1000, dtype=jnp.float16, budget_tokens=4000), lengths)
+    c2 = method.init_cache(CacheRequest(model_cfg=MODEL, batch=lengths.shape[0], prompt_capacity=7168, max_new_tokens=1000, dtype=jnp.float16, budget_tokens=8000), lengths)
     for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
         assert a.shape == b.shape
     assert cache_nbytes(c1) == cache_nbytes(c2) <= 2 * 250_000

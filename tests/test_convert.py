@@ -24,8 +24,9 @@ from flax import nnx
 from models import registry
 from models.checkpoint import CheckpointError, load_model, load_params
 from models.config import ModelConfig, UnsupportedModelError
-from models.convert import PARAM_TABLE, CorruptCheckpointError, convert, unpermute_rows
+from models.convert import PARAM_TABLE, convert, unpermute_rows
 from models.model import param_shapes
+from models.sources import CorruptCheckpointError
 from models.tokenizer import Tokenizer
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
 

@@ -21,17 +21,15 @@ from qevict_jax.eval.plots import (
     wilson_interval,
     write_summary,
 )
+from qevict_jax.eval.summary import paired_markdown, paired_rows, summary_rows
 from qevict_jax.eval.sweep import (
     Job,
     check_config,
     expand_jobs,
     lock_sweep,
-    paired_markdown,
-    paired_rows,
     read_results,
     record_key,
     run_sweep,
-    summary_rows,
 )
 
 METHODS = [("full", None), ("qevict", 0.1), ("qevict", 0.2), ("h2o", 0.2)]
@@ -219,7 +217,7 @@ def test_plot_does_not_touch_the_global_backend(tmp_path):
 
 
 def test_pivot_table_has_one_line_per_method_and_a_column_per_task():
-    from qevict_jax.eval.sweep import pivot_markdown, summary_rows
+    from qevict_jax.eval.summary import pivot_markdown, summary_rows
 
     records = [
         {"task": t, "method": m, "budget": b, "length": 2048, "sample": i, "score": s, "memory_ratio": mem}

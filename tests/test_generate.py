@@ -51,14 +51,14 @@ def test_cached_decoding_equals_uncached_forward(model):
 
 def test_cached_logits_equal_uncached_logits_every_step(model):
     """Decode-step logits of the Full-KV cache equal the uncached forward's logits at every position."""
-    from qevict_jax.core.kv import FullKV
+    from qevict_jax.core.kv import CacheRequest, FullKV
 
     rs = np.random.RandomState(1)
     seq = rs.randint(0, TINY.vocab_size, 40)
     ref, _ = model(jnp.asarray(seq)[None], jnp.arange(40)[None])
     method = FullKV()
     p = 25
-    cache = method.init_cache(TINY, jnp.asarray([p]), 64, 20, jnp.float32)
+    cache = method.init_cache(CacheRequest(model_cfg=TINY, batch=1, prompt_capacity=64, max_new_tokens=20, dtype=jnp.float32), jnp.asarray([p]))
     tokens = np.zeros((1, 64), np.int32)
     tokens[0, :p] = seq[:p]
     logits, cache = model(

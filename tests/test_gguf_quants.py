@@ -5,7 +5,7 @@ Each block is packed here from random integer codes and scales following ggml's 
 (``block_q4_K``, ``block_q5_0``, ``block_q6_K``, ``block_q8_0`` in ggml-common.h), so the value of every element
 is known in float64 from its code and scales alone, without any decoder. The packed bytes are written into a
 small GGUF with ``gguf.GGUFWriter`` (raw quantized data) and read back through the converter's path,
-``models.convert.GGUFSource.read``. For Q5_0 and Q8_0, which ``gguf.quants.quantize`` can produce, random
+``models.sources.GGUFSource.read``. For Q5_0 and Q8_0, which ``gguf.quants.quantize`` can produce, random
 floats are also quantized by it and the round trip is held to the error bound of the format.
 """
 
@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 
-from models.convert import GGUFSource
+from models.sources import GGUFSource
 
 QK_K = 256  # values per k-quant super-block
 QK = 32  # values per Q5_0 / Q8_0 block

@@ -21,14 +21,8 @@ from test_routing import reference_assignment
 from models.config import ModelConfig
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import Capacities, ring_capacity
-from qevict_jax.engines.routing import (
-    Candidates,
-    apply_plan,
-    dequantize_windows,
-    plan_counts,
-    plan_for_row,
-    quantize_windows,
-)
+from qevict_jax.engines.migrate import apply_plan, dequantize_windows, quantize_windows
+from qevict_jax.engines.routing import Candidates, plan_counts, plan_for_row
 
 W, D, NF, NQ, K = 8, 8, 3, 4, 2
 CODE_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")  # QuantizedWindows leaves

@@ -24,7 +24,7 @@ from qevict_jax.core.budget import (
     solve_local_capacities,
 )
 from qevict_jax.core.config import num_windows
-from qevict_jax.core.kv import full_kv_bytes
+from qevict_jax.core.kv import CacheRequest, full_kv_bytes
 from qevict_jax.methods import baselines
 from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.methods.registry import available_methods, configure, default_method, make_method
@@ -59,8 +59,10 @@ def test_window_methods_size_their_caches_by_their_allocation(name, allocation, 
     names, computed here directly."""
     method = make_method(name, 0.2)
     assert method.allocation == allocation and method.uses_budget is uses_budget
-    kw = dict(model_cfg=MODEL, batch=2, prompt_capacity=2000, max_new_tokens=40, dtype=jnp.bfloat16)
-    got = method.capacities(**kw, budget_tokens=2040)
+    request = CacheRequest(
+        model_cfg=MODEL, batch=2, prompt_capacity=2000, max_new_tokens=40, dtype=jnp.bfloat16, budget_tokens=2040
+    )
+    got = method.capacities(request)
     cfg = method.cache
     expected = {
         BudgetedTiers: lambda: solve_capacities(

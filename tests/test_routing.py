@@ -15,14 +15,8 @@ from hypothesis import strategies as st
 from models.config import ModelConfig
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import Capacities, ring_capacity
-from qevict_jax.engines.routing import (
-    ROUTING_CHUNK,
-    plan_counts,
-    plan_routing,
-    plan_row,
-    route_row,
-    route_stacked,
-)
+from qevict_jax.engines.migrate import ROUTING_CHUNK, route_row, route_stacked
+from qevict_jax.engines.routing import plan_counts, plan_routing, plan_row
 from qevict_jax.rankings.scoring import Ranking
 
 # (NF, NL, NQ, K): F slots, ledger slots, max active Q, candidates per event

@@ -11,20 +11,18 @@ from models.config import ModelConfig
 from models.model import LayerContext
 from qevict_jax.engines.pool import Allocation
 from qevict_jax.methods.registry import make_method
-from qevict_jax.rankings import attention_scores, scoring
+from qevict_jax.rankings import attention_scores, windows
 from qevict_jax.rankings.scoring import (
-    CriticalKVRanking,
     CumulativeAllRanking,
     GateRanking,
     KeyNormRanking,
     PromptPass,
     Ranking,
     RestKVRanking,
-    SnapKVRanking,
-    TOVARanking,
     make_ranking,
-    window_sums,
 )
+from qevict_jax.rankings.token_rankings import CriticalKVRanking, SnapKVRanking, TOVARanking
+from qevict_jax.rankings.windows import window_sums
 
 B, T, H, HKV, D = 2, 80, 6, 2, 8
 S, W = 5, 8
@@ -219,5 +217,5 @@ def test_spilled_key_is_the_max_over_the_windows_present_before(spill):
             if valid[i]:
                 near = valid & (win <= win[i]) & (win >= win[i] - spill)
                 want[i] = score[near].max()
-        got = scoring.spilled_key(jnp.asarray(win), jnp.asarray(score), jnp.asarray(valid), spill, nw)
+        got = windows.spilled_key(jnp.asarray(win), jnp.asarray(score), jnp.asarray(valid), spill, nw)
         np.testing.assert_array_equal(np.asarray(got), want)

@@ -22,7 +22,7 @@ from tiny import decisive_model, tiny_llama
 
 from models.model import Transformer
 from pallas_kernels.dispatch import use_cpu_kernel
-from qevict_jax.core.kv import FullCache
+from qevict_jax.core.kv import CacheRequest, FullCache
 from qevict_jax.core.sharding import CACHE_LAYOUTS, HEADS, cache_specs, make_mesh, param_specs
 from qevict_jax.methods.registry import cache_stats, make_method
 from qevict_jax.runtime import generate as gen
@@ -146,7 +146,7 @@ def test_cache_specs_follow_the_documented_layouts(name):
     over "model" exactly for the leaves the layout table marks, never for the others."""
     method = make_method(name, 0.4, recent=16) if name != "full" else make_method("full")
     lengths = jnp.asarray([200, 150], jnp.int32)
-    cache = jax.eval_shape(lambda: method.init_cache(TINY, lengths, 256, 24, jnp.bfloat16, 174))
+    cache = jax.eval_shape(lambda: method.init_cache(CacheRequest(model_cfg=TINY, batch=lengths.shape[0], prompt_capacity=256, max_new_tokens=24, dtype=jnp.bfloat16, budget_tokens=174), lengths))
     specs = cache_specs(cache)
     flat = jax.tree_util.tree_flatten_with_path(cache)[0]
     spec_leaves = jax.tree.leaves(specs)

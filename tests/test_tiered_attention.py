@@ -20,7 +20,7 @@ from pallas_kernels.quant import ChannelKeys, QuantizedWindows
 from pallas_kernels.reference import QuantTier, ledger_partial
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
-from qevict_jax.core.kv import FullKV
+from qevict_jax.core.kv import CacheRequest, FullKV
 from qevict_jax.engines.window import decode_layer, prefill_layer, tier_attention
 from qevict_jax.methods.registry import cache_stats, make_method
 from qevict_jax.rankings.scoring import Ranking
@@ -60,7 +60,7 @@ def np_softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray):
 
 def run_model(model, method, tokens, lengths, prompt_cap, steps, budget_tokens):
     b = tokens.shape[0]
-    cache = method.init_cache(MODEL, lengths, prompt_cap, steps, jnp.float32, budget_tokens)
+    cache = method.init_cache(CacheRequest(model_cfg=MODEL, batch=lengths.shape[0], prompt_capacity=prompt_cap, max_new_tokens=steps, dtype=jnp.float32, budget_tokens=budget_tokens), lengths)
     pos = jnp.broadcast_to(jnp.arange(prompt_cap), (b, prompt_cap))
     logits, cache = model(
         tokens[:, :prompt_cap], pos, cache, attend=method.prefill_attend, logit_index=lengths - 1
@@ -284,7 +284,7 @@ def prefill_one_layer(caps: Capacities, ranking: Ranking, seed: int):
 )
 def test_prefill_placement_ranks_the_next_windows_with_their_start(spill, nf, want):
     """Placement with ``spill`` windows: a window is ranked by the highest score of itself and the ``spill``
-    windows before it (``scoring.spilled_key``); the tiers take the top windows (F only here), and the
+    windows before it (``windows.spilled_key``); the tiers take the top windows (F only here), and the
     scores they store stay each window's own."""
     caps = Capacities(
         sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=nf, nq=0, nl=0, nw_max=16, bits=2, omega=8

@@ -17,7 +17,15 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, num_windows, ring_capacity
-from qevict_jax.core.kv import full_kv_bytes
+from qevict_jax.core.kv import CacheRequest, full_kv_bytes
+
+
+def sized(cache_cfg: CacheConfig, *, window: int | None = None, **sizes: Any) -> Capacities:
+    """``Capacities`` with the configuration's sink, window (unless given), code width and Ω, and ``sizes``
+    (the F, Q and ledger slots and the window ids default to none)."""
+    w = cache_cfg.window if window is None else window
+    sizes = {"nf": 0, "nq": 0, "nl": 0, "nw_max": 0, **sizes}
+    return Capacities(sink=cache_cfg.sink, window=w, bits=cache_cfg.bits, omega=cache_cfg.omega, **sizes)
 
 
 def resolve_recent(cfg: CacheConfig, budget_tokens_capacity: float) -> int:
@@ -65,20 +73,10 @@ def solve_capacities(
     nw = num_windows(budget_tokens, cache_cfg.sink, w) if max_windows is None else max_windows
 
     def caps(nf: int, nq: int, nl: int) -> Capacities:
-        return Capacities(
-            sink=cache_cfg.sink,
-            window=w,
-            recent=recent,
-            ring=ring,
-            nf=nf,
-            nq=nq,
-            nl=nl,
-            nw_max=nw,
-            bits=cache_cfg.bits,
-            omega=cache_cfg.omega,
-            quant=cache_cfg.quant,
+        return sized(
+            cache_cfg, recent=recent, ring=ring, nf=nf, nq=nq, nl=nl, nw_max=nw, quant=cache_cfg.quant,
             deferred_head_mean=cache_cfg.deferred_head_mean,
-        )
+        )  # fmt: skip
 
     fixed = _cache_bytes(caps(0, 0, 0), model_cfg, batch, dtype)
     per_f = _cache_bytes(caps(1, 0, 0), model_cfg, batch, dtype) - fixed
@@ -126,19 +124,8 @@ def keep_all_capacities(cache_cfg: CacheConfig, max_windows: int | None) -> Capa
     if isinstance(cache_cfg.recent, float):
         raise ValueError("keep_all needs an integer recent region")
     ring = ring_capacity(recent, cache_cfg.window, cache_cfg.omega)
-    return Capacities(
-        sink=cache_cfg.sink,
-        window=cache_cfg.window,
-        recent=recent,
-        ring=ring,
-        nf=0,
-        nq=max_windows,
-        nl=max_windows,
-        nw_max=max_windows,
-        bits=cache_cfg.bits,
-        omega=cache_cfg.omega,
-        quant=cache_cfg.quant,
-    )
+    n = max_windows
+    return sized(cache_cfg, recent=recent, ring=ring, nq=n, nl=n, nw_max=n, quant=cache_cfg.quant)
 
 
 class BudgetTooSmallError(ValueError):
@@ -178,19 +165,7 @@ def solve_local_capacities(
 
     def caps(r: int) -> Capacities:
         ring = ring_capacity(r, w, cache_cfg.omega)
-        return Capacities(
-            sink=cache_cfg.sink,
-            window=w,
-            recent=r,
-            ring=ring,
-            nf=0,
-            nq=0,
-            nl=0,
-            nw_max=0,
-            bits=cache_cfg.bits,
-            omega=cache_cfg.omega,
-            quant=cache_cfg.quant,
-        )
+        return sized(cache_cfg, recent=r, ring=ring, quant=cache_cfg.quant)
 
     fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
     per_w = _cache_bytes(caps(w), model_cfg, batch, dtype) - fixed
@@ -231,17 +206,11 @@ def solve_pool_capacities(
     ring = recent + max_new_tokens if cache_cfg.static else ring_capacity(recent, 1, cache_cfg.omega)
 
     def caps(pph: int) -> Capacities:
-        return Capacities(
-            sink=cache_cfg.sink,
+        return sized(
+            cache_cfg,
             window=1,
             recent=recent,
             ring=ring,
-            nf=0,
-            nq=0,
-            nl=0,
-            nw_max=0,
-            bits=cache_cfg.bits,
-            omega=cache_cfg.omega,
             pool_per_head=pph,
             pool_scores=not cache_cfg.static,
             decode_routing=not cache_cfg.static,
@@ -295,29 +264,20 @@ class WindowAllocation(Protocol):
 
     uses_budget: ClassVar[bool]
 
-    def capacities(
-        self,
-        cache_cfg: CacheConfig,
-        *,
-        model_cfg: ModelConfig,
-        batch: int,
-        max_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-    ) -> Capacities: ...
+    def capacities(self, cache_cfg: CacheConfig, request: CacheRequest) -> Capacities: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class BudgetedTiers:
     """F and Q windows bought with what the budget leaves after sinks and ring (``solve_capacities``):
-    QEvict and R1-R4. ``max_tokens``: prompt capacity + new tokens (caps the slots at the windows that can
-    exist)."""
+    QEvict and R1-R4. The slots are capped at the windows a row of ``request.max_tokens`` can have."""
 
     uses_budget: ClassVar[bool] = True
 
-    def capacities(self, cache_cfg, *, model_cfg, batch, max_tokens, dtype, budget_tokens) -> Capacities:
-        max_windows = num_windows(max_tokens, cache_cfg.sink, cache_cfg.window)
-        return solve_capacities(cache_cfg, model_cfg, batch, budget_tokens, dtype, max_windows=max_windows)
+    def capacities(self, cache_cfg: CacheConfig, request: CacheRequest) -> Capacities:
+        r = request
+        max_windows = num_windows(r.max_tokens, cache_cfg.sink, cache_cfg.window)
+        return solve_capacities(cache_cfg, r.model_cfg, r.batch, r.budget_tokens, r.dtype, max_windows=max_windows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,8 +287,9 @@ class RecentOnly:
 
     uses_budget: ClassVar[bool] = True
 
-    def capacities(self, cache_cfg, *, model_cfg, batch, max_tokens, dtype, budget_tokens) -> Capacities:
-        return solve_local_capacities(cache_cfg, model_cfg, batch, budget_tokens, dtype)
+    def capacities(self, cache_cfg: CacheConfig, request: CacheRequest) -> Capacities:
+        r = request
+        return solve_local_capacities(cache_cfg, r.model_cfg, r.batch, r.budget_tokens, r.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,5 +299,5 @@ class KeepAll:
 
     uses_budget: ClassVar[bool] = False
 
-    def capacities(self, cache_cfg, *, model_cfg, batch, max_tokens, dtype, budget_tokens) -> Capacities:
-        return keep_all_capacities(cache_cfg, num_windows(max_tokens, cache_cfg.sink, cache_cfg.window))
+    def capacities(self, cache_cfg: CacheConfig, request: CacheRequest) -> Capacities:
+        return keep_all_capacities(cache_cfg, num_windows(request.max_tokens, cache_cfg.sink, cache_cfg.window))

@@ -29,7 +29,7 @@ from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.quant import QuantizedWindows
 from qevict_jax.core.config import Capacities
-from qevict_jax.core.kv import from_words, to_words
+from qevict_jax.core.kv import CacheRequest, from_words, to_words
 
 
 @struct.dataclass
@@ -203,26 +203,10 @@ class SizedByCapacities:
         """β of a budgeted method (``cache.budget``); None for one that keeps what it keeps (KIVI)."""
         return float(self.cache.budget) if self.uses_budget else None
 
-    def init_cache(
-        self,
-        model_cfg: ModelConfig,
-        prompt_lengths: jax.Array,
-        prompt_capacity: int,
-        max_new_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-    ) -> TieredCache | PoolCache:
-        """Empty stacked cache sized for ``budget_tokens`` tokens per row; ``prompt_lengths`` [B] int32."""
-        b = prompt_lengths.shape[0]
-        caps = self.capacities(
-            model_cfg=model_cfg,
-            batch=b,
-            prompt_capacity=prompt_capacity,
-            max_new_tokens=max_new_tokens,
-            dtype=dtype,
-            budget_tokens=budget_tokens,
-        )
-        return init_cache(caps, model_cfg, b, dtype, prompt_lengths)
+    def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> TieredCache | PoolCache:
+        """Empty stacked cache sized by ``capacities(request)``; ``prompt_lengths`` [B] int32."""
+        caps = self.capacities(request)
+        return init_cache(caps, request.model_cfg, request.batch, request.dtype, prompt_lengths)
 
     def routing_due(self, cache: TieredCache) -> jax.Array:
         """[] bool: the step just taken brings the decode step count to a multiple of Ω (every row and layer

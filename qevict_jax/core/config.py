@@ -43,7 +43,7 @@ class CacheConfig:
     max_pool_width: max-pool width over neighbouring tokens of the observation rows (SnapKV-style; 0 = none).
     spill: tokens after a window whose windows are ranked with its score when it is higher (the
         ``ceil(spill / W)`` windows covering them; 0 = none), at prefill placement and at every routing
-        event (``scoring.spilled_key``): attention points at where an answer starts, and the continuation
+        event (``windows.spilled_key``): attention points at where an answer starts, and the continuation
         read next stays in the same tier. The stored scores stay each window's own.
     decay: per-query decay factor of the "decayed" ranking.
     p: exponent of the "pnorm" ranking.

@@ -2,10 +2,9 @@
 
 A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) with these functions:
 
-- ``init_cache(model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens)``: an empty
-  cache pytree, every array with a leading layer axis ``[L, ...]``; ``prompt_lengths`` [B] int32 are the real
-  lengths of the right-padded prompts (``prompt_capacity`` tokens each); a budgeted method sizes its buffers
-  for ``budget_tokens`` tokens per row (static; methods with ``uses_budget = False`` ignore it).
+- ``init_cache(request, prompt_lengths)``: an empty cache pytree for a ``CacheRequest`` (what the cache is
+  sized for, static), every array with a leading layer axis ``[L, ...]``; ``prompt_lengths`` [B] int32 are the
+  real lengths of the right-padded prompts.
 - ``prefill_attend(q, k, v, layer_cache, ctx)`` and ``decode_attend(...)``: the decoder's ``AttendFn`` for the
   prompt pass (positions ``0..P-1``, rows right-padded) and for one decoded token per row.
 - ``route(cache, inv_freq, due=None)``: a routing event on the whole stacked cache, now (``due`` None: after
@@ -30,6 +29,29 @@ from models.config import ModelConfig
 from models.model import LayerContext
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheRequest:
+    """What a method's cache is sized for (static: one compilation per request).
+
+    model_cfg: the decoder. batch: B rows. prompt_capacity: tokens of each right-padded prompt (the length
+    bucket). max_new_tokens: tokens after the prompt the cache must hold. dtype: the KV storage dtype.
+    budget_tokens: a budgeted method sizes its buffers for β of this many uncompressed tokens per row
+    (methods with ``uses_budget`` False ignore it; a ``Fanout`` gets one per member).
+    """
+
+    model_cfg: ModelConfig
+    batch: int
+    prompt_capacity: int
+    max_new_tokens: int
+    dtype: Any
+    budget_tokens: int | tuple[int, ...] = 0
+
+    @property
+    def max_tokens(self) -> int:
+        """Prompt capacity + new tokens: the most tokens a row can have."""
+        return self.prompt_capacity + self.max_new_tokens
+
+
 class KVMethod(Protocol):
     """name: registry name; uses_budget: sized by a byte budget β; options: names ``configure`` may set;
     protects_recent: has a protected recent region (``recent``) that a benchmark's protocol may set;
@@ -45,15 +67,7 @@ class KVMethod(Protocol):
     @property
     def budget(self) -> float | None: ...
 
-    def init_cache(
-        self,
-        model_cfg: ModelConfig,
-        prompt_lengths: jax.Array,
-        prompt_capacity: int,
-        max_new_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-    ) -> Any: ...
+    def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> Any: ...
 
     def prefill_attend(self, q, k, v, layer_cache, ctx: LayerContext) -> tuple[jax.Array, Any]: ...
 
@@ -137,13 +151,10 @@ class FullKV:
     def budget(self) -> float | None:
         return None
 
-    def init_cache(
-        self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens=0
-    ) -> FullCache:
-        b = prompt_lengths.shape[0]
-        cap = prompt_capacity + max_new_tokens
-        shape = (model_cfg.num_layers, b, model_cfg.num_kv_heads, cap, model_cfg.head_dim)
-        length = jnp.broadcast_to(prompt_lengths.astype(jnp.int32), (model_cfg.num_layers, b))
+    def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> FullCache:
+        cfg, b, dtype = request.model_cfg, request.batch, request.dtype
+        shape = (cfg.num_layers, b, cfg.num_kv_heads, request.max_tokens, cfg.head_dim)
+        length = jnp.broadcast_to(prompt_lengths.astype(jnp.int32), (cfg.num_layers, b))
         zeros = to_words(jnp.zeros(shape, dtype), dtype)
         return FullCache(k=zeros, v=zeros, length=length, dtype=jnp.dtype(dtype))
 

@@ -32,7 +32,7 @@ from models.model import LayerContext, Transformer
 from qevict_jax.core.budget import BudgetedTiers
 from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.config import num_windows
-from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE, CacheRequest, KVMethod
 from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.engines.window import fold_head_means
 from qevict_jax.eval.fidelity import fidelity_sample
@@ -158,7 +158,11 @@ def _policy_prefill(graphdef, state, tokens, method: KVMethod, capacity_new: int
     model: Transformer = nnx.merge(graphdef, state)
     b, p = tokens.shape
     lengths = jnp.full((b,), p, jnp.int32)
-    cache = method.init_cache(model.cfg, lengths, p, capacity_new, kv_dtype, p + capacity_new)
+    request = CacheRequest(
+        model_cfg=model.cfg, batch=b, prompt_capacity=p, max_new_tokens=capacity_new, dtype=kv_dtype,
+        budget_tokens=p + capacity_new,
+    )  # fmt: skip
+    cache = method.init_cache(request, lengths)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     _, cache = model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
     return (cache, *window_view(cache, nw))

@@ -26,7 +26,8 @@ from qevict_jax.core.cache import (
     shared_prompt_attention,
     write_token,
 )
-from qevict_jax.engines.routing import _rank, assign_slots, mark_routed, ring_candidates
+from qevict_jax.engines.migrate import mark_routed
+from qevict_jax.engines.routing import _rank, assign_slots, ring_candidates
 from qevict_jax.rankings.attention_scores import head_top_mask
 from qevict_jax.rankings.scoring import PromptPass, TokenRanking
 

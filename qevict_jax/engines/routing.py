@@ -1,9 +1,10 @@
-"""Routing of windows between the tiers (docs/design.md §7): a pure plan on metadata, then fixed-shape migration.
+"""Routing plans of the window engine (docs/design.md §7): which tier every window goes to, decided on metadata
+alone; ``migrate`` moves the data as a plan says.
 
 ``plan_routing`` works on one batch row's metadata (window ids and scores of F slots, ledger slots and
 candidate windows) and decides the new tier of every window, which slots newcomers go to, and the new
-metadata; it is cheap and testable on its own. ``route_row`` computes the candidates of a decode routing
-event, runs the plan and moves the data (frees before allocations, ``.at[].set(mode="drop")`` scatters).
+metadata; it is cheap and testable on its own. ``plan_row`` gathers the candidates of a decode routing
+event (``Candidates``: the windows that left the recent region) and plans them.
 
 Ranking: F ∪ active Q ∪ candidates by score (stable: ties keep the order F slots, ledger slots,
 candidates). Top NF -> F, next NQ -> Q (fewer when dormant entries fill the ledger, see below), the rest
@@ -37,9 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant import QuantFormat, QuantizedWindows
-from qevict_jax.core.kv import from_words, to_words
-from qevict_jax.rankings.scoring import spilled_key
+from qevict_jax.rankings.windows import spilled_key
 
 
 class Candidates(NamedTuple):
@@ -140,7 +139,7 @@ def plan_routing(
     fp_win, fp_score: [NF] (win -1 = empty). led_win, led_score: [NL], led_active: [NL] bool.
     cand_win, cand_score: [K] (win -1 = no candidate). nq: the most active Q windows (<= NL); the Q tier
     holds at most ``min(nq, NL - dormant entries after the event)`` (see the module docstring).
-    spill: windows are ranked by ``scoring.spilled_key`` over the windows taking part (ids < num_windows);
+    spill: windows are ranked by ``windows.spilled_key`` over the windows taking part (ids < num_windows);
     the scores the plan stores are the windows' own.
     """
     nf, nl, k = fp_win.shape[0], led_win.shape[0], cand_win.shape[0]
@@ -215,126 +214,10 @@ def plan_routing(
     )
 
 
-def quantize_windows(
-    k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array, fmt: QuantFormat
-) -> QuantizedWindows:
-    """Ledger codes of windows k, v [Hkv, N, W, D] (keys post-RoPE, first positions ``starts`` [N]) in the
-    ledger format ``fmt``. Returns ``QuantizedWindows`` [Hkv, N, ...]."""
-    return fmt.encode(k, v, starts, inv_freq)
-
-
-def dequantize_windows(
-    codes: QuantizedWindows, starts: jax.Array, inv_freq: jax.Array, fmt: QuantFormat
-) -> tuple[jax.Array, jax.Array]:
-    """Inverse of ``quantize_windows``: (post-RoPE keys, values), each [Hkv, N, W, D] float32."""
-    return fmt.decode(codes, starts, inv_freq)
-
-
-def apply_plan(
-    row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *, bound: int | None = None
-) -> Any:
-    """Move the data of one row as ``plan`` says; returns the row with new F, ledger and metadata.
-
-    row: one batch row of a ``TieredCache`` (fields without the [B] axis). candidates: the plan's
-    candidate windows. bound: quantize and dequantize at most this many F
-    windows (the fresh F -> Q demotions and the Q -> F promotions), or as many as there are F slots when
-    None; the caller guarantees that the plan's counts fit (``plan_counts``). Both give the same row.
-    """
-    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
-    m = nf if bound is None else min(bound, nf)
-    row = quantize_candidates(row, plan, candidates, inv_freq)
-    if nl and m:
-        row = demote_chunk(row, plan, jnp.int32(0), m, inv_freq)
-        row = promote_chunk(row, plan, jnp.int32(0), m, inv_freq)
-    return place_candidates(row, plan, candidates)
-
-
-def _chunk(mask: jax.Array, chunk: jax.Array, m: int) -> jax.Array:
-    """Entries [chunk * m, chunk * m + m) of the indices where ``mask`` [N] holds, in order (N = none)."""
-    n = mask.shape[0]
-    return jax.lax.dynamic_slice(compact(mask, -(-n // m) * m), (chunk * m,), (m,))
-
-
-def demote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq: jax.Array) -> Any:
-    """Quantize chunk ``chunk`` ([] int32) of ``m`` of the row's fresh F -> Q demotions into their ledger slots.
-
-    Reads F, writes only ledger slots the plan freed (never a promoted window's entry), so every chunk of
-    demotions can run before any promotion overwrites an F slot."""
-    caps = row.caps
-    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
-    dtype = row.local_k.dtype  # the KV dtype: the F tier is stored as its words (``TieredCache.fp_kw``)
-    sel = _chunk(plan.f2q_target < nl, chunk, m)  # [m] F slots (NF = none)
-    fsel = jnp.minimum(sel, nf - 1)
-    k, v = from_words(row.fp_kw[:, fsel], dtype), from_words(row.fp_vw[:, fsel], dtype)
-    entries = quantize_windows(k, v, caps.sink + row.fp_win[fsel] * caps.window, inv_freq, caps.format)
-    target = jnp.where(sel < nf, plan.f2q_target[fsel], nl)
-    return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(target, entries)))
-
-
-def promote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq: jax.Array) -> Any:
-    """Dequantize chunk ``chunk`` ([] int32) of ``m`` of the row's Q -> F promotions into their F slots.
-
-    Reads the ledger (promoted entries stay, dormant), writes F; the row's metadata is still the old one."""
-    caps = row.caps
-    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
-    dtype = row.local_k.dtype
-    src = jnp.full((nf,), nl, jnp.int32).at[plan.q2f_target].set(jnp.arange(nl, dtype=jnp.int32), mode="drop")
-    dest = _chunk(src < nl, chunk, m)  # [m] F slots receiving a promoted window (NF = none)
-    lsel = jnp.minimum(src[jnp.minimum(dest, nf - 1)], nl - 1)
-    k, v = dequantize_windows(
-        row.ledger.codes.take(lsel), caps.sink + row.ledger.win[lsel] * caps.window, inv_freq, caps.format
-    )
-    return row.replace(
-        fp_kw=row.fp_kw.at[:, dest].set(to_words(k, dtype), mode="drop"),
-        fp_vw=row.fp_vw.at[:, dest].set(to_words(v, dtype), mode="drop"),
-    )
-
-
-def quantize_candidates(row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array) -> Any:
-    """Candidates going to Q quantized into their ledger slots. The first move of an event: the
-    slots are ones the plan freed, distinct from the demotions' and never a promoted window's entry."""
-    caps = row.caps
-    if not row.ledger.win.shape[0]:
-        return row
-    c = candidates
-    entries = quantize_windows(c.k, c.v, caps.sink + c.win * caps.window, inv_freq, caps.format)
-    return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(plan.c2q_target, entries)))
-
-
-def place_candidates(row: Any, plan: RoutingPlan, candidates: Candidates) -> Any:
-    """The last move of an event: candidates going to F copied into their slots (after the
-    demotions read theirs), and the plan's metadata and counts."""
-    dtype = row.local_k.dtype
-    fp_k, fp_v = row.fp_kw, row.fp_vw
-    if row.fp_win.shape[0]:
-        fp_k = fp_k.at[:, plan.c2f_target].set(to_words(candidates.k, dtype), mode="drop")
-        fp_v = fp_v.at[:, plan.c2f_target].set(to_words(candidates.v, dtype), mode="drop")
-    return row.replace(
-        fp_kw=fp_k,
-        fp_vw=fp_v,
-        fp_win=plan.fp_win,
-        fp_score=plan.fp_score.astype(row.fp_score.dtype),
-        ledger=row.ledger.replace(
-            win=plan.led_win,
-            active=plan.led_active,
-            score=plan.led_score.astype(row.ledger.score.dtype),
-        ),
-        promotions=row.promotions + plan.promotions,
-        demotions=row.demotions + plan.demotions,
-        evictions=row.evictions + plan.evictions,
-    )
-
-
 def plan_counts(plan: RoutingPlan, nl: int) -> jax.Array:
     """[...] int32: the F windows a plan quantizes (fresh demotions) or dequantizes (promotions), the larger."""
     fresh = jnp.sum(plan.f2q_target < nl, axis=-1, dtype=jnp.int32)
     return jnp.maximum(fresh, plan.promotions)
-
-
-ROUTING_CHUNK = 2
-"""Windows per row quantized or dequantized per iteration of an event's move loops (``route_stacked``). A
-decode event moves one or two windows in a row (measured on SmolLM2 at 2K: the most of any row was 1-2 in
-14 of 16 events, 4 in the other two); an event after an appended chunk may move many and loops more."""
 
 
 def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
@@ -384,21 +267,6 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, Cand
     return plan, Candidates(cand_k, cand_v, cand_win)
 
 
-def finish_row(
-    row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *, bound: int | None = None
-) -> Any:
-    """``apply_plan``, then mark the candidates routed and count the event."""
-    return mark_routed(apply_plan(row, plan, candidates, inv_freq, bound=bound), candidates.win)
-
-
-def mark_routed(row: Any, cand_win: jax.Array, counted: jax.Array | bool = True) -> Any:
-    """One row after a routing event over candidates cand_win [K] (-1 = none): they left the ring
-    (``next_win`` past them) and, when ``counted``, the event is counted. Either engine's row
-    (``SinkRingCache``)."""
-    new_next = jnp.maximum(row.next_win, jnp.max(jnp.where(cand_win >= 0, cand_win + 1, 0)))
-    return row.replace(next_win=new_next, routing_events=row.routing_events + jnp.int32(counted))
-
-
 def idle_plan(row: Any) -> tuple[RoutingPlan, Candidates]:
     """``plan_row``'s outputs for a step without an event: nothing moves, the metadata stays, no candidate."""
     caps = row.caps
@@ -423,42 +291,3 @@ def idle_plan(row: Any) -> tuple[RoutingPlan, Candidates]:
     return plan, Candidates(cand, cand, jnp.full((k,), -1, jnp.int32))
 
 
-def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
-    """One decode routing event for one batch row of a ``TieredCache`` (fields without the [B] axis)."""
-    return finish_row(row, *plan_row(row, ranking, promotion), inv_freq)
-
-
-def route_stacked(
-    cache: Any, inv_freq: jax.Array, ranking: Any, promotion: bool, due: jax.Array | None = None
-) -> Any:
-    """One routing event of every layer and row of a stacked ``TieredCache`` ([L, B] leading axes).
-
-    due: [] bool, whether the event happens (a decode step calls this every step); None = it does. Every row
-    is planned first (under a ``lax.cond`` on ``due``, which only reads the cache; the idle plan moves
-    nothing). The data then moves in loops of ``ROUTING_CHUNK`` windows per row, as many iterations as the
-    busiest row needs (none on an idle step): candidates to Q, all fresh demotions, all promotions, candidates to F.
-    The moves are not inside a conditional on purpose: XLA copies every buffer a conditional branch scatters
-    into (the whole F tier and ledger, most of an event's time at 8K), and a while loop updates its carry in
-    place. Gives the same cache as ``route_row`` on every row.
-    """
-    rows = lambda f: jax.vmap(jax.vmap(f))
-    plan_all = rows(lambda r: plan_row(r, ranking, promotion))
-    if due is None:
-        due = jnp.bool_(True)
-        plan, candidates = plan_all(cache)
-    else:
-        plan, candidates = jax.lax.cond(due, plan_all, rows(idle_plan), cache)
-    nf, nl = cache.caps.nf, cache.caps.nl
-    m = min(ROUTING_CHUNK, nf)
-    cache = rows(lambda r, p, c: quantize_candidates(r, p, c, inv_freq))(cache, plan, candidates)
-    if nl and m:
-        iterations = lambda n: (jnp.max(n) + m - 1) // m
-
-        def moves(step):
-            return lambda i, c: rows(lambda r, p: step(r, p, i, m, inv_freq))(c, plan)
-
-        cache = jax.lax.fori_loop(
-            0, iterations(jnp.sum(plan.f2q_target < nl, axis=-1)), moves(demote_chunk), cache
-        )
-        cache = jax.lax.fori_loop(0, iterations(plan.promotions), moves(promote_chunk), cache)
-    return rows(lambda r, p, c: mark_routed(place_candidates(r, p, c), c.win, due))(cache, plan, candidates)

@@ -24,27 +24,22 @@ from qevict_jax.core.cache import (
 )
 from qevict_jax.core.config import CacheConfig
 from qevict_jax.core.sharding import REPLICATED, ROW_HEADS, ROWS, on_shards
-from qevict_jax.engines.routing import Candidates, RoutingPlan, apply_plan, compact, plan_for_row
+from qevict_jax.engines.migrate import apply_plan
+from qevict_jax.engines.routing import Candidates, RoutingPlan, compact, plan_for_row
 from qevict_jax.rankings.scoring import PromptPass, Ranking
 
 # ---------------------------------------------------------------------------------------------- prefill
 
 
 def prefill_layer(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    cache: TieredCache,
-    ctx: LayerContext,
-    *,
-    ranking: Ranking,
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, *, ranking: Ranking,
     config: CacheConfig,
-) -> tuple[jax.Array, TieredCache]:
+) -> tuple[jax.Array, TieredCache]:  # fmt: skip
     """Prompt attention for one layer and routing of the prompt's KV into the tiers (docs/design.md §6).
 
     q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows right-padded (row b: positions < cache.length[b]).
     Returns (out [B, T, H, D], cache). The ranking scores every prompt window, and the windows ending at
-    least R tokens before the prompt end are placed by their ranking key (``scoring.spilled_key``): top NF
+    least R tokens before the prompt end are placed by their ranking key (``windows.spilled_key``): top NF
     -> F, next NQ -> Q, rest evicted; the tail stays in the ring. ``config``: promotion, prefill_chunk.
     """
     caps = cache.caps
@@ -179,15 +174,9 @@ def tier_attention(
 
 
 def decode_layer(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    cache: TieredCache,
-    ctx: LayerContext,
-    *,
-    ranking: Ranking,
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, *, ranking: Ranking,
     use_kernel: bool = False,
-) -> tuple[jax.Array, TieredCache]:
+) -> tuple[jax.Array, TieredCache]:  # fmt: skip
     """One decode step of one layer: q [B, 1, H, D], k, v [B, 1, Hkv, D] post-RoPE -> (out [B, 1, H, D],
     cache).
 
@@ -208,25 +197,21 @@ def decode_layer(
     cache = cache.replace(loc_score=jnp.where(fresh, 0.0, cache.loc_score))
     qg = q[:, 0].reshape(b, hkv, h // hkv, d)
     att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window, use_kernel)
-    if caps.deferred_head_mean:
-        # per KV head, on its own device: the scores take this step's dynamics with no mass (a linear
-        # ranking's update(s, m) = update(s, 0) + update(0, m)), the running masses take the mass
-        none = lambda x: jnp.zeros_like(x)
+    # deferred head mean: per KV head, on its own device, the scores take this step's dynamics with no mass
+    # (a linear ranking's update(s, m) = update(s, 0) + update(0, m)) and the running masses take the mass
+    deferred = caps.deferred_head_mean
+    mass = lambda m, score: jnp.zeros_like(score) if deferred else m
+    cache = cache.replace(
+        fp_score=ranking.update(cache.fp_score, mass(att.fp_mass, cache.fp_score)),
+        ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, mass(att.q_mass, cache.ledger.score))),
+        loc_score=ranking.update(cache.loc_score, mass(att.local_mass, cache.loc_score)),  # [B, RW]
+        steps=cache.steps + 1,
+    )
+    if deferred:
         cache = cache.replace(
-            fp_score=ranking.update(cache.fp_score, none(cache.fp_score)),
-            ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, none(cache.ledger.score))),
-            loc_score=ranking.update(cache.loc_score, none(cache.loc_score)),
             fp_pending=ranking.update(cache.fp_pending, att.fp_mass),
             q_pending=ranking.update(cache.q_pending, att.q_mass),
             loc_pending=ranking.update(jnp.where(fresh[:, None], 0.0, cache.loc_pending), att.local_mass),
-            steps=cache.steps + 1,
-        )
-    else:
-        cache = cache.replace(
-            fp_score=ranking.update(cache.fp_score, att.fp_mass),
-            ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, att.q_mass)),
-            loc_score=ranking.update(cache.loc_score, att.local_mass),  # [B, RW]
-            steps=cache.steps + 1,
         )
     return att.out.reshape(b, 1, h, d).astype(q.dtype), cache
 

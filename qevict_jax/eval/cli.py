@@ -8,32 +8,22 @@ and summary.png; the Markdown table is printed at the end.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from models.tokenizer import token_index
 from qevict_jax.eval import gsm8k, longbench, ruler
-from qevict_jax.eval.fidelity import fidelity_sample
 from qevict_jax.eval.harness import (
     FidelityHarness,
     GenerationHarness,
-    Prepared,
     check_feasible,
     resolve_methods,
 )
 from qevict_jax.eval.plots import write_summary
-from qevict_jax.eval.sweep import (
-    check_config,
-    expand_jobs,
-    lock_sweep,
-    merge_results,
-    paired_markdown,
-    paired_rows,
-    run_sweep,
-)
+from qevict_jax.eval.summary import merge_results, paired_markdown, paired_rows
+from qevict_jax.eval.sweep import check_config, expand_jobs, lock_sweep, run_sweep
+from qevict_jax.eval.tasks import fidelity_sampler, floats, generation_setup, ints, names
 from qevict_jax.methods.registry import parse_set_options
 from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
 
@@ -47,18 +37,6 @@ PROTECTED_RECENT: dict[str, int | float | None] = {
 }
 """The QEvict paper's protected recent region per benchmark (tokens; GSM8K: a fraction of the budget), set on
 every method that has one; ``--recent`` overrides, None keeps each method's default."""
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _add_common(
@@ -201,14 +179,14 @@ def cmd_paired(args: argparse.Namespace) -> int:
 
 def precheck(args: argparse.Namespace) -> None:
     """Fail fast, before the model loads: unknown tasks, missing data files, malformed lists."""
-    _floats(args.budgets)
+    floats(args.budgets)
     if hasattr(args, "lengths"):
-        _ints(args.lengths)
+        ints(args.lengths)
     if args.eval_task == "ruler" and args.tasks != "all":
-        for t in _names(args.tasks):
+        for t in names(args.tasks):
             ruler.tokens_to_generate(t)
     if args.eval_task == "longbench":
-        for t in longbench.TASKS if args.tasks == "all" else _names(args.tasks):
+        for t in longbench.TASKS if args.tasks == "all" else names(args.tasks):
             longbench.load_task(args.data_dir, t, limit=1)
     if args.eval_task == "gsm8k":
         gsm8k.load(args.data_file, limit=1)
@@ -230,18 +208,18 @@ def run_eval(
     kind = args.eval_task
     recent = args.recent if args.recent is not None else PROTECTED_RECENT[kind]
     methods = resolve_methods(
-        _names(args.methods), _floats(args.budgets), log, parse_set_options(args.set), recent
+        names(args.methods), floats(args.budgets), log, parse_set_options(args.set), recent
     )
-    lengths = _ints(args.lengths) if hasattr(args, "lengths") else [0]
+    lengths = ints(args.lengths) if hasattr(args, "lengths") else [0]
     config = _config(args)
     check_config(args.out, config)
     if kind == "fidelity":
-        sample_fn = _fidelity_sampler(args, tokenizer)
+        sample_fn = fidelity_sampler(args, tokenizer)
         harness: Any = FidelityHarness(model, methods, sample_fn, teacher_forced_fn, kv_dtype(args))
         jobs = expand_jobs(["fidelity"], list(methods), lengths, args.samples)
         extra, score_name = ("kl", "ppl_change"), "top-1 agreement (%)"
     else:
-        tasks, prepare, samples = _generation_setup(args, tokenizer)
+        tasks, prepare, samples = generation_setup(args, tokenizer)
         if generate_fn is None:  # the real generate sizes caches: refuse infeasible budgets up front
             check_feasible(model, methods, [prepare(t, n, 0) for t in tasks for n in lengths], kv_dtype(args))
         harness = GenerationHarness(
@@ -293,127 +271,6 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------------
 # prompts per benchmark
-
-
-def _chat_wrapper(args: argparse.Namespace, tokenizer) -> Callable[[str], str] | None:
-    if args.no_chat or not getattr(tokenizer, "chat_template", None):
-        return None
-    return lambda text: tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True
-    )
-
-
-def _encode_plain(tokenizer) -> Callable[[str], list[int]]:
-    return lambda text: list(tokenizer.encode(text, add_bos=False))
-
-
-def _generation_setup(args: argparse.Namespace, tokenizer):
-    """(tasks, prepare(task, length, sample) -> Prepared, samples per task) for ruler / longbench / gsm8k."""
-    if args.eval_task == "ruler":
-        return _ruler_setup(args, tokenizer)
-    if args.eval_task == "longbench":
-        return _longbench_setup(args, tokenizer)
-    if args.eval_task == "gsm8k":
-        return _gsm8k_setup(args, tokenizer)
-    raise ValueError(f"unknown evaluation {args.eval_task!r}")
-
-
-def _ruler_setup(args: argparse.Namespace, tokenizer):
-
-    tasks = list(ruler.TASKS) if args.tasks == "all" else _names(args.tasks)
-    for t in tasks:
-        ruler.tokens_to_generate(t)  # validates the name before any work
-    wrap = _chat_wrapper(args, tokenizer)
-    count = _encode_plain(tokenizer)
-    overhead = len(tokenizer.encode(wrap("") if wrap else ""))
-    depths = _floats(args.depths) if args.depths else None
-    haystack = None if args.haystack == "ruler" else args.haystack
-
-    def prepare(task: str, length: int, sample: int) -> Prepared:
-        gen = args.max_new_tokens or ruler.tokens_to_generate(task)
-        s = ruler.ruler_sample(
-            task,
-            args.seed + sample,
-            length,
-            lambda text: len(count(text)),
-            tokens_to_generate=gen,
-            overhead_tokens=overhead,
-            haystack=haystack,
-            depth=depths[sample % len(depths)] if depths else None,
-        )
-        text = wrap(s.input) + s.answer_prefix.lstrip() if wrap else s.input + s.answer_prefix
-        info = {"depths": list(s.depths), "haystack": s.haystack}
-        context_end = text.index(s.input) + s.input.index(s.context) + len(s.context)
-        return Prepared(
-            tokenizer.encode(text),
-            gen,
-            list(s.outputs),
-            functools.partial(ruler.ruler_score, s),
-            info,
-            question_start=token_index(tokenizer, text, context_end),
-        )
-
-    return tasks, prepare, args.samples
-
-
-def _longbench_setup(args: argparse.Namespace, tokenizer):
-
-    tasks = list(longbench.TASKS) if args.tasks == "all" else _names(args.tasks)
-    data = {t: longbench.load_task(args.data_dir, t, limit=args.samples) for t in tasks}
-    wrap = _chat_wrapper(args, tokenizer)
-    encode = _encode_plain(tokenizer)
-
-    def prepare(task: str, length: int, sample: int) -> Prepared:
-        rec = data[task][sample]
-        prompt = longbench.truncate_middle(longbench.build_prompt(rec), length, encode, tokenizer.decode)
-        if wrap and longbench.uses_chat_template(task):
-            prompt = wrap(prompt)
-        gen = args.max_new_tokens or longbench.MAX_NEW_TOKENS[task]
-        scorer = functools.partial(_longbench_score, task, rec.answers, rec.all_classes)
-        info = {"id": rec.id, "data_length": rec.length}
-        question = longbench.question_text(rec)
-        start = token_index(tokenizer, prompt, prompt.rindex(question)) if question in prompt else None
-        return Prepared(tokenizer.encode(prompt), gen, list(rec.answers), scorer, info, question_start=start)
-
-    return tasks, prepare, {t: len(d) for t, d in data.items()}
-
-
-def _longbench_score(task: str, answers, all_classes, prediction: str) -> float:
-    return longbench.score(task, prediction, answers, all_classes)
-
-
-def _gsm8k_setup(args: argparse.Namespace, tokenizer):
-
-    problems = gsm8k.load(args.data_file, limit=args.samples)
-    stop = _encode_plain(tokenizer)("\n\n")
-    stop_ids = tuple(stop) if len(stop) == 1 else ()  # the exemplars' separator ends an answer early
-
-    def prepare(task: str, length: int, sample: int) -> Prepared:
-        rec = problems[sample]
-        gen = args.max_new_tokens or gsm8k.MAX_NEW_TOKENS
-        ids = tokenizer.encode(gsm8k.few_shot_prompt(rec.question))
-        scorer = functools.partial(_gsm8k_score, rec.answer)
-        return Prepared(ids, gen, [rec.answer], scorer, stop_ids=stop_ids, annotate=_gsm8k_annotate)
-
-    return ["gsm8k"], prepare, {"gsm8k": len(problems)}
-
-
-def _gsm8k_score(reference: str, prediction: str) -> float:
-    return gsm8k.score(prediction, reference)
-
-
-def _gsm8k_annotate(prediction: str) -> dict[str, str]:
-    return {"extracted": gsm8k.extract_answer(prediction)}
-
-
-def _fidelity_sampler(args: argparse.Namespace, tokenizer) -> Callable[[int, int], Any]:
-    encode = _encode_plain(tokenizer)
-    bos = list(tokenizer.encode("", add_bos=True))
-
-    def sample_fn(length: int, sample: int):
-        return fidelity_sample(args.seed + sample, length, args.targets, encode, bos=bos)
-
-    return sample_fn
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qevict_jax.eval.sweep import FULL, aggregate, markdown_table, pivot_markdown, summary_rows, write_csv
+from qevict_jax.eval.summary import aggregate, markdown_table, pivot_markdown, summary_rows, write_csv
+from qevict_jax.eval.sweep import FULL
 
 
 def frontier_points(records: Sequence[Mapping[str, Any]], length: Any = None, metric: str = "score") -> dict:

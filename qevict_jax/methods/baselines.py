@@ -38,22 +38,15 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
 from models.model import LayerContext
 from qevict_jax.core.budget import KeepAll, RecentOnly, solve_pool_capacities
 from qevict_jax.core.cache import PoolCache, SizedByCapacities
 from qevict_jax.core.config import CacheConfig, Capacities
+from qevict_jax.core.kv import CacheRequest
 from qevict_jax.engines.pool import UNIFORM, Allocation, pool_decode_layer, pool_prefill_layer, route_pool_row
 from qevict_jax.methods.qevict import WindowMethod
-from qevict_jax.rankings.scoring import (
-    CriticalKVRanking,
-    CumulativeAllRanking,
-    KeyNormRanking,
-    RestKVRanking,
-    SnapKVRanking,
-    TokenRanking,
-    TOVARanking,
-)
+from qevict_jax.rankings.scoring import CumulativeAllRanking, KeyNormRanking, RestKVRanking, TokenRanking
+from qevict_jax.rankings.token_rankings import CriticalKVRanking, SnapKVRanking, TOVARanking
 
 # ---------------------------------------------------------------------------------------------- window layouts
 
@@ -129,23 +122,21 @@ class PoolMethod(SizedByCapacities, abc.ABC):
         if self.cache.deferred_head_mean:
             raise ValueError(f"{self.name}: deferred_head_mean applies to the window engine, not the token pool")
 
-    def capacities(
-        self,
-        *,
-        model_cfg: ModelConfig,
-        batch: int,
-        prompt_capacity: int,
-        max_new_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-    ) -> Capacities:
+    def capacities(self, request: CacheRequest) -> Capacities:
         """Static sizes: the pool gets what the budget leaves after sinks and ring (``solve_pool_capacities``)."""
-        selectable = prompt_capacity if self.cache.static else prompt_capacity + max_new_tokens
+        r = request
+        selectable = r.prompt_capacity if self.cache.static else r.max_tokens
         caps = solve_pool_capacities(
-            self.cache, model_cfg, batch, budget_tokens, dtype, max_new_tokens=max_new_tokens, max_selectable=selectable
+            self.cache,
+            r.model_cfg,
+            r.batch,
+            r.budget_tokens,
+            r.dtype,
+            max_new_tokens=r.max_new_tokens,
+            max_selectable=selectable,
         )
-        prefix = max(1, budget_tokens - max_new_tokens - caps.recent - caps.sink)
-        layer_caps = self.allocation.layer_caps(caps.pool_per_head, model_cfg.num_layers, prefix)
+        prefix = max(1, r.budget_tokens - r.max_new_tokens - caps.recent - caps.sink)
+        layer_caps = self.allocation.layer_caps(caps.pool_per_head, r.model_cfg.num_layers, prefix)
         return dataclasses.replace(caps, layer_caps=layer_caps)
 
     def route(self, cache: PoolCache, inv_freq: jax.Array, due: jax.Array | None = None) -> PoolCache:

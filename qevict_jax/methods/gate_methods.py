@@ -31,7 +31,8 @@ from qevict_jax.engines.window import prefill_layer
 from qevict_jax.methods.baselines import PoolMethod
 from qevict_jax.methods.qevict import QEVICT_OPTIONS, WindowMethod
 from qevict_jax.rankings.gates import gate_params, log_beta
-from qevict_jax.rankings.scoring import GateRanking, window_ages
+from qevict_jax.rankings.scoring import GateRanking
+from qevict_jax.rankings.windows import window_ages
 
 
 def layer_log_beta(path: str, ctx: LayerContext) -> jax.Array:

@@ -14,14 +14,14 @@ from typing import Any
 
 import jax
 
-from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.dispatch import use_pallas
 from qevict_jax.core.budget import BudgetedTiers, WindowAllocation
 from qevict_jax.core.cache import SizedByCapacities, TieredCache
 from qevict_jax.core.config import CacheConfig, Capacities
+from qevict_jax.core.kv import CacheRequest
 from qevict_jax.core.sharding import DATA, REPLICATED, on_shards, row_specs
-from qevict_jax.engines.routing import route_stacked
+from qevict_jax.engines.migrate import route_stacked
 from qevict_jax.engines.window import decode_layer, fold_head_means, prefill_layer
 from qevict_jax.rankings.scoring import Ranking, make_ranking
 
@@ -91,25 +91,9 @@ class WindowMethod(SizedByCapacities):
         """Windows covering the ``spill`` tokens after a window (its ranking key spills over them)."""
         return -(-self.cache.spill // self.cache.window)
 
-    def capacities(
-        self,
-        *,
-        model_cfg: ModelConfig,
-        batch: int,
-        prompt_capacity: int,
-        max_new_tokens: int,
-        dtype: Any,
-        budget_tokens: int,
-    ) -> Capacities:
-        """Static buffer sizes for a batch: the ``allocation``'s."""
-        return self.allocation.capacities(
-            self.cache,
-            model_cfg=model_cfg,
-            batch=batch,
-            max_tokens=prompt_capacity + max_new_tokens,
-            dtype=dtype,
-            budget_tokens=budget_tokens,
-        )
+    def capacities(self, request: CacheRequest) -> Capacities:
+        """Static buffer sizes for a request: the ``allocation``'s."""
+        return self.allocation.capacities(self.cache, request)
 
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
@@ -119,7 +103,7 @@ class WindowMethod(SizedByCapacities):
         """A routing event of every layer and row of a stacked cache (windows that left the recent region
         compete, Q windows whose scores rose are promoted); ``due`` [] bool: only if it holds (None: always).
         With ``due`` the plan runs every call and the moves are masked by it, with no conditional around them
-        (``routing.route_stacked``)."""
+        (``migrate.route_stacked``)."""
         cache = fold_head_means(cache, due)  # before the plan reads the scores
         # per shard of rows on a mesh: XLA partitions the plan's vmapped top_k by gathering its batch axis
         rows = row_specs(cache)

@@ -95,8 +95,9 @@ def method_option(method: KVMethod, name: str) -> Any:
     return getattr(method, name) if name in own else getattr(method.cache, name)
 
 
-def cache_stats(cache: SinkRingCache) -> dict[str, Any]:
-    """Routing counters and tier fill of a stacked cache (leading [L] axis).
+def cache_stats(cache: Any) -> dict[str, Any]:
+    """Routing counters and tier fill of a stacked cache (leading [L] axis); only zero counters for a cache
+    that never routes (Full-KV's).
 
     routing_events: per row, decode routing events (every layer routes together: layer 0's count).
     promotions, demotions, evictions: per row, summed over layers (windows, or pool tokens; prefill
@@ -104,6 +105,9 @@ def cache_stats(cache: SinkRingCache) -> dict[str, Any]:
     Q windows / NQ, mean over layers and rows (nan when the tier has no slot). dormant: dormant ledger
     entries, summed over layers and rows. local_tokens: per row, tokens in the ring not yet routed (layer 0).
     """
+    if not isinstance(cache, SinkRingCache):
+        zeros = [0] * int(cache.length.shape[-1])
+        return {"routing_events": zeros, "promotions": zeros, "demotions": zeros, "evictions": zeros}
     caps = cache.caps
     # to_host: a cache on a mesh across processes is gathered (every process calls cache_stats)
     per_row = lambda x: to_host(x).sum(axis=0).tolist()

@@ -36,11 +36,17 @@ import jax.numpy as jnp
 
 from models.model import LayerContext
 from qevict_jax.rankings.attention_scores import (
-    criticalkv_scores,
-    observation_attention,
     observation_mass,
     restkv_scores,
-    snapkv_scores,
+)
+from qevict_jax.rankings.windows import (
+    GATE_FLOOR,
+    key_norm_score,
+    key_norms,
+    prompt_windows,
+    window_ages,
+    window_max,
+    window_sums,
 )
 
 
@@ -77,48 +83,6 @@ class PromptPass:
         if self.token_positions is not None:
             return self.token_positions
         return jnp.arange(self.q.shape[1], dtype=jnp.int32)[None]
-
-
-def window_sums(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:
-    """Sum per-token values x [B, T] over windows: window w = positions [S + wW, S + (w+1)W) -> [B, NW]."""
-    body = x[:, sink:]
-    need = num_windows * window
-    t = body.shape[1]
-    body = jnp.pad(body, ((0, 0), (0, max(0, need - t))))[:, :need]
-    return body.reshape(x.shape[0], num_windows, window).sum(-1)
-
-
-def spilled_key(
-    win: jax.Array, score: jax.Array, valid: jax.Array, spill: int, num_windows: int
-) -> jax.Array:
-    """Ranking key [N] of windows win [N] (ids < ``num_windows``) with scores score [N], valid [N] bool: each
-    valid window's score raised to the highest score of the valid windows among the ``spill`` ids before it,
-    ``key_w = max(s_w, s_{w-1}, ..., s_{w-spill})`` over the windows present (``spill`` = 0: the score).
-
-    The observation window (and a question appended later) attends to where an answer *starts*: a key, the
-    first digits of a value. What is read next lies in the windows after it, which the question barely
-    attends to; ranking them with their start keeps an answer's continuation in the tier of its start.
-    """
-    if spill == 0:
-        return score
-    score = score.astype(jnp.float32)
-    dump = num_windows  # invalid entries land in one extra slot and never spill
-    dense = jnp.full((num_windows + 1,), -jnp.inf, jnp.float32).at[jnp.where(valid, win, dump)].max(score)
-    dense = dense.at[dump].set(-jnp.inf)
-    spread = dense
-    for j in range(1, min(spill, num_windows) + 1):
-        spread = jnp.maximum(spread, jnp.pad(dense, (j, 0), constant_values=-jnp.inf)[:-j])
-    return jnp.where(valid, jnp.maximum(score, spread[jnp.clip(win, 0, dump)]), score)
-
-
-def key_norms(k: jax.Array) -> jax.Array:
-    """L2 norm of each key: k [..., D] -> [...] f32."""
-    return jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1))
-
-
-def key_norm_score(k: jax.Array) -> jax.Array:
-    """Minus the mean L2 norm of the keys of a window: k [..., Hkv, W, D] -> [...] f32."""
-    return -jnp.mean(key_norms(k), axis=(-1, -2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,20 +278,6 @@ class RestKVRanking(Ranking):
         )
 
 
-GATE_FLOOR = -1e9
-"""log beta of a token past a row's length (padding): below every real one."""
-
-
-def window_centers(win: jax.Array, sink: int, window: int) -> jax.Array:
-    """Centre position [...] f32 of window ids win [...] (window w = positions [S + wW, S + (w+1)W))."""
-    return sink + win.astype(jnp.float32) * window + (window - 1) / 2
-
-
-def window_ages(win: jax.Array, length: jax.Array, sink: int, window: int) -> jax.Array:
-    """Age ``max(t - centre, 1)`` [..., N] f32 of windows win [..., N] at time t = length [...]."""
-    return jnp.maximum(length[..., None].astype(jnp.float32) - window_centers(win, sink, window), 1.0)
-
-
 @dataclasses.dataclass(frozen=True)
 class GateRanking(Ranking):
     """Learned retention gates (TRIM-KV, arXiv 2512.03324; ``qevict_jax.rankings.gates``): no attention at all.
@@ -368,36 +318,6 @@ class GateRanking(Ranking):
         return age[:, None, :] * self.gates().transpose(0, 2, 1)
 
 
-def window_max(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:
-    """Max of per-token values x [B, T] over each window -> [B, NW] (``GATE_FLOOR`` where a window is past T)."""
-    body = x[:, sink:]
-    need = num_windows * window
-    t = body.shape[1]
-    body = jnp.pad(body, ((0, 0), (0, max(0, need - t))), constant_values=GATE_FLOOR)[:, :need]
-    return body.reshape(x.shape[0], num_windows, window).max(-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class TOVARanking(Ranking):
-    """TOVA (arXiv 2401.06104): the attention of the current query, averaged over every head, replaces the
-    score at each step (``update``). At the prompt end: the last ``n_obs`` (= 1, TOVA's rule) queries' rows.
-    Every KV head ranks by the same head-mean statistic (``shared_heads``)."""
-
-    n_obs: int = 1
-    shared_heads: ClassVar[bool] = True
-    name: ClassVar[str] = "tova"
-
-    def update(self, score, mass):
-        return mass
-
-    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
-        """The head-mean attention rows of the last ``n_obs`` queries, summed, the same for every KV head."""
-        probs = observation_attention(prompt.q, prompt.k, prompt.lengths, self.n_obs, prompt.sliding_window)
-        rows = probs.sum(axis=3).mean(axis=(1, 2))  # [B, T]; probs [B, Hkv, G, n, T]
-        b, t, hkv = prompt.k.shape[:3]
-        return jnp.broadcast_to(rows[:, None], (b, hkv, t))
-
-
 RANKINGS: dict[str, type[Ranking]] = {
     cls.name: cls
     for cls in (
@@ -422,45 +342,3 @@ def make_ranking(name: str, **params) -> Ranking:
     return cls(**{k: v for k, v in params.items() if k in fields})
 
 
-def prompt_windows(x: jax.Array, sink: int, window: int, num_windows: int) -> jax.Array:
-    """Windows of a prompt tensor x [B, T, Hkv, D] -> [B, NW, W, Hkv, D] (zero-padded past T)."""
-    body = x[:, sink:]
-    need = num_windows * window
-    t = body.shape[1]
-    body = jnp.pad(body, ((0, 0), (0, max(0, need - t)), (0, 0), (0, 0)))[:, :need]
-    return body.reshape(x.shape[0], num_windows, window, *x.shape[2:])
-
-
-# ------------------------------------------------------------------------ token-only rankings (the token pool)
-
-
-@dataclasses.dataclass(frozen=True)
-class SnapKVRanking(ScoreDynamics):
-    """SnapKV's scores (``snapkv_scores``): the observation window's attention to the prefix, average-pooled
-    (``avg_pool_width``), group mean per KV head. Token pool only (SnapKV, PyramidKV, Ada-KV)."""
-
-    n_obs: int = 32
-    avg_pool_width: int = 5
-
-    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
-        return snapkv_scores(
-            prompt.q, prompt.k, prompt.lengths, self.n_obs, self.avg_pool_width, prompt.sliding_window
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class CriticalKVRanking(SnapKVRanking):
-    """CriticalKV over SnapKV (``criticalkv_scores``): each head's top ``first_stage_ratio`` of its
-    ``caps.pool_per_head`` slots by SnapKV score, then ``(score + epsilon) * ||v W_O,h||_1`` over the tokens
-    that compete for the pool (past the sinks, before the recent region). Token pool only."""
-
-    first_stage_ratio: float = 0.5
-    epsilon: float = 1e-4
-
-    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
-        base = super().prefill_token_scores(prompt, caps)
-        positions = prompt.positions
-        eligible = (positions >= caps.sink) & (positions < (prompt.lengths - caps.recent)[:, None])
-        return criticalkv_scores(
-            base, prompt.v, prompt.wo, eligible, caps.pool_per_head, first_stage_ratio=self.first_stage_ratio, epsilon=self.epsilon
-        )

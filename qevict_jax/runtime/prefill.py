@@ -18,7 +18,7 @@ from flax import nnx
 from models.attention import prompt_attention
 from models.model import Transformer
 from qevict_jax.core.budget import BudgetTooSmallError
-from qevict_jax.core.kv import FullKV, KVMethod, full_kv_bytes
+from qevict_jax.core.kv import CacheRequest, FullKV, KVMethod, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context
 from qevict_jax.runtime.compiled import bucket_floor, bucket_length
 from qevict_jax.runtime.sampling import SamplerConfig, sample
@@ -109,7 +109,15 @@ def fit_method(
     try:
         jax.eval_shape(
             lambda: method.init_cache(
-                model_cfg, jnp.asarray(lengths), capacity, max_new_tokens, kv_dtype, budget_tokens
+                CacheRequest(
+                    model_cfg=model_cfg,
+                    batch=len(lengths),
+                    prompt_capacity=capacity,
+                    max_new_tokens=max_new_tokens,
+                    dtype=kv_dtype,
+                    budget_tokens=budget_tokens,
+                ),
+                jnp.asarray(lengths),
             )
         )
     except BudgetTooSmallError as err:
@@ -157,7 +165,11 @@ def prefill_logits(
     ``mesh`` it is constrained to its sharding (``sharding.cache_shardings``) before and after the layer scan.
     """
     b, p = tokens.shape
-    cache = method.init_cache(model.cfg, lengths, p, max_new_tokens, kv_dtype, budget_tokens)
+    request = CacheRequest(
+        model_cfg=model.cfg, batch=b, prompt_capacity=p, max_new_tokens=max_new_tokens, dtype=kv_dtype,
+        budget_tokens=budget_tokens,
+    )  # fmt: skip
+    cache = method.init_cache(request, lengths)
     cache = constrain_cache(cache, mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, cache = model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
@@ -266,10 +278,11 @@ class Fanout:
     chunk: int = 512
     stacked_cache: ClassVar[bool] = False  # its members' caches are handed one layer's slice each
 
-    def init_cache(self, model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, budget_tokens):
+    def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> tuple[Any, ...]:
+        """One cache per member, each sized for its own ``request.budget_tokens``."""
         return tuple(
-            m.init_cache(model_cfg, prompt_lengths, prompt_capacity, max_new_tokens, dtype, bt)
-            for m, bt in zip(self.methods, budget_tokens, strict=True)
+            m.init_cache(dataclasses.replace(request, budget_tokens=bt), prompt_lengths)
+            for m, bt in zip(self.methods, request.budget_tokens, strict=True)
         )
 
     def prefill_attend(self, q, k, v, caches, ctx):
