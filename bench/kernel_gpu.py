@@ -7,7 +7,7 @@ On a GPU (finishes in a few minutes on an H200):
   3. sweeps a few ledger-kernel configurations (block slots, warps) at one context;
   4. times, per context (8K..128K) and batch (1, 8), one layer of decode attention with Llama-3.1-8B
      heads (32 query / 8 KV heads, head_dim 128): bf16 Full-KV (``jax.nn.dot_product_attention``)
-     against QEvict's tiers at beta = 0.2 (``fused_attention``) and the Q-tier kernel alone (achieved GB/s
+     against QEvict's tiers at beta = 0.2 (``fused_partials``) and the Q-tier kernel alone (achieved GB/s
      over the bytes it reads: codes + grids + q + slot metadata);
   5. prints the ratio table last; its last line is the headline ratio.
 
@@ -37,16 +37,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.fused_attention import dense_slot_attention, fused_attention  # noqa: E402
+from pallas_kernels.fused_attention import dense_slot_attention, fused_partials  # noqa: E402
 from pallas_kernels.ledger_attention import ledger_attention  # noqa: E402
 from pallas_kernels.quant import QuantFormat, QuantizedWindows, quant_format  # noqa: E402
 from pallas_kernels.reference import (  # noqa: E402
     DenseTier,
     QuantTier,
     ledger_partial,
+    merge_tiers,
     slot_partial,
-    tier_attention_reference,
+    tier_partials,
 )
+from pallas_kernels.splitk import Launch  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +135,7 @@ def ledger_inputs(key, b: int, nl: int, s: Setup, ctx: int, valid_frac: float = 
 
 
 def tier_inputs(key, b: int, ctx: int, s: Setup, dtype=jnp.bfloat16, valid_frac: float = 1.0) -> dict:
-    """All arguments of ``fused_attention`` for one layer at context ``ctx`` (tier sizes from the budget)."""
+    """All arguments of ``fused_partials`` for one layer at context ``ctx`` (tier sizes from the budget)."""
     nf, nl, nr = tier_sizes(ctx, s)
     k = jax.random.split(key, 9)
     hkv, d, w = s.kv_heads, s.head_dim, s.window
@@ -161,13 +163,13 @@ def ledger_args(args: dict) -> dict:
 
 
 def fused_args(args: dict) -> dict:
-    """``fused_attention``'s keyword arguments: q, the four tiers, inv_freq."""
+    """``fused_partials``' keyword arguments: q, the four tiers, inv_freq."""
     return dict(
         q=args["q"],
         sink=DenseTier(args["sink_k"], args["sink_v"], args["sink_valid"]),
-        fp=DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]),
+        f=DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]),
         ledger=ledger_args(args)["tier"],
-        local=DenseTier(args["local_k"], args["local_v"], args["local_valid"]),
+        ring=DenseTier(args["local_k"], args["local_v"], args["local_valid"]),
         inv_freq=args["inv_freq"],
     )
 
@@ -205,12 +207,13 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
         opts = dict(window=setup.window, fmt=setup.format)
         with jax.default_matmul_precision("highest"):
             want_l = ledger_partial(**ledger_args(args), **opts)
-            want_f = tier_attention_reference(**fused_args(args), **opts)
+            want_f = merge_tiers(tier_partials(**fused_args(args), **opts))
             dense = (args["q"], DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]))
             want_d = slot_partial(*dense)
-        got_l = ledger_attention(**ledger_args(args), **opts, interpret=interpret, poison=True)
-        got_f = fused_attention(**fused_args(args), **opts, interpret=interpret, poison=True)
-        got_d = dense_slot_attention(*dense, interpret=interpret, poison=True)
+        launch = Launch(interpret=interpret, poison=True)
+        got_l = ledger_attention(**ledger_args(args), **opts, launch=launch)
+        got_f = merge_tiers(fused_partials(launch=launch)(**fused_args(args), **opts))
+        got_d = dense_slot_attention(*dense, launch=launch)
         m_ok = bool(np.all(np.asarray(got_l[1])[1] == np.float32(-1e30)))
         errs = {
             "ledger.out": rel_err(got_l[0], want_l[0]),
@@ -273,7 +276,9 @@ def sweep_ledger(s: Setup, ctx: int, b: int, interpret: bool, iters: int) -> dic
     for block, warps, stages in [(2, 4, 2), (4, 4, 2), (4, 8, 2), (8, 8, 2), (4, 8, 3), (8, 8, 3)]:
         opts = dict(block_slots=block, num_warps=warps, num_stages=stages)
         fn = jax.jit(
-            functools.partial(ledger_attention, window=s.window, fmt=s.format, interpret=interpret, **opts)
+            functools.partial(
+                ledger_attention, window=s.window, fmt=s.format, launch=Launch(interpret=interpret, **opts)
+            )
         )
         try:
             sec = time_call(lambda a, f=fn: f(**a), args, iters=iters)
@@ -296,13 +301,13 @@ def bench_table(s: Setup, contexts, batches, interpret: bool, iters: int, ledger
     """Rows of (ctx, b, NL, NF, full_us, qevict_us, q_us, q_gbs)."""
     rows = []
     full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))
-    fused_opts = dict(block_slots=ledger_opts.get("block_slots"), num_warps=ledger_opts.get("num_warps"))
-    fused = jax.jit(
-        functools.partial(fused_attention, window=s.window, fmt=s.format, interpret=interpret, **fused_opts)
+    fused_launch = Launch(
+        interpret=interpret, block_slots=ledger_opts.get("block_slots"), num_warps=ledger_opts.get("num_warps")
     )
-    ledger = jax.jit(
-        functools.partial(ledger_attention, window=s.window, fmt=s.format, interpret=interpret, **ledger_opts)
-    )
+    fused_tiers = fused_partials(launch=fused_launch)
+    fused = jax.jit(lambda **a: merge_tiers(fused_tiers(**a, window=s.window, fmt=s.format)))
+    ledger_launch = Launch(interpret=interpret, **ledger_opts)
+    ledger = jax.jit(functools.partial(ledger_attention, window=s.window, fmt=s.format, launch=ledger_launch))
     for ctx in contexts:
         for b in batches:
             key = jax.random.PRNGKey(ctx + b)

@@ -86,7 +86,9 @@ class Recorded:
 
 def record_attend(q, k, v, layer_cache: Recorded, ctx):
     """Causal attention over the current tokens, recording q, k, v of the layer."""
-    out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window)
+    out, _ = chunked_attention(
+        q, k, v, q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=ctx.cfg.sliding_window
+    )
     return out, Recorded(q=q.astype(jnp.float32), k=k.astype(jnp.float32), v=v.astype(jnp.float32))
 
 

@@ -65,14 +65,9 @@ def grouped_output(probs: jax.Array, v: jax.Array, out_dtype) -> jax.Array:
 
 
 def dense_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_pos: jax.Array,
-    k_pos: jax.Array,
-    sliding_window: int | None = None,
-    logit_bias: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    q: jax.Array, k: jax.Array, v: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array,
+    sliding_window: int | None = None, logit_bias: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Softmax attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D].
 
     logit_bias: added to the scaled logits before masking, broadcast against [B, Hkv, G, Tq, Tk] (the
@@ -90,16 +85,10 @@ def dense_attention(
 
 
 def chunked_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_pos: jax.Array,
-    k_pos: jax.Array,
-    sliding_window: int | None = None,
-    chunk: int = 512,
-    q_valid: jax.Array | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array,
+    sliding_window: int | None = None, chunk: int = 512, q_valid: jax.Array | None = None,
     causal_blocks: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D], one query chunk at a time.
 
     Also returns the exact column sums of the attention probabilities, ``mass [B, Hkv, G, Tk]`` (float32):
@@ -121,9 +110,10 @@ def chunked_attention(
     if causal_blocks is None:
         causal_blocks = tq == k.shape[1]
     if not causal_blocks:
-        return _scan_chunked_attention(q, k, v, q_pos, k_pos, sliding_window, chunk, q_valid)
-    out, lse = flash_causal_attention(q, k, v, q_pos, k_pos, sliding_window, chunk)
-    mass = causal_column_mass(q, k, q_pos, k_pos, lse, q_valid, sliding_window, chunk)
+        return _scan_chunked_attention(q, k, v, q_pos, k_pos, q_valid, sliding_window=sliding_window, chunk=chunk)
+    blocks = dict(q_pos=q_pos, k_pos=k_pos, sliding_window=sliding_window, chunk=chunk)
+    out, lse = flash_causal_attention(q, k, v, **blocks)
+    mass = causal_column_mass(q, k, lse=lse, q_valid=q_valid, **blocks)
     return out, mass
 
 
@@ -182,14 +172,9 @@ def _block_mask(q_pos, k_pos, qs, qlen, ks, klen, g: int, sliding_window: int | 
 
 
 def flash_causal_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_pos: jax.Array,
-    k_pos: jax.Array,
-    sliding_window: int | None,
-    chunk: int,
-) -> tuple[jax.Array, jax.Array]:
+    q: jax.Array, k: jax.Array, v: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array,
+    sliding_window: int | None, chunk: int,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Causal attention of q [B, T, H, D] over the same tokens' k, v [B, T, Hkv, D] (positions q_pos, k_pos
     [B, T], non-decreasing; k_pos -1 = invalid key) in blocks of ``chunk`` queries x ``chunk`` keys with an
     online softmax (running max m, sum l, output accumulator; key blocks after the query chunk skipped).
@@ -234,15 +219,9 @@ def flash_causal_attention(
 
 
 def causal_column_mass(
-    q: jax.Array,
-    k: jax.Array,
-    q_pos: jax.Array,
-    k_pos: jax.Array,
-    lse: jax.Array,
-    q_valid: jax.Array,
-    sliding_window: int | None,
-    chunk: int,
-) -> jax.Array:
+    q: jax.Array, k: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array, lse: jax.Array, q_valid: jax.Array,
+    sliding_window: int | None, chunk: int,
+) -> jax.Array:  # fmt: skip
     """Column sums [B, Hkv, G, T] f32 of the causal attention probabilities of ``flash_causal_attention``
     (same blocks, same logits), each query weighted by q_valid [B, T]: the probabilities of a block are
     ``exp(logit - lse)`` with the final log-sum-exp lse [B, Hkv, G, T] of each query."""
@@ -270,28 +249,25 @@ def causal_column_mass(
 
 
 def prompt_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    positions: jax.Array,
-    lengths: jax.Array,
-    sliding_window: int | None = None,
-    chunk: int = 512,
-) -> tuple[jax.Array, jax.Array]:
+    q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array, lengths: jax.Array,
+    sliding_window: int | None = None, chunk: int = 512,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Causal attention of a right-padded prompt: q [B, T, H, D], k, v [B, T, Hkv, D] at positions [B, T],
     row b valid below lengths[b]. Returns (out [B, T, H, D], column mass [B, Hkv, G, T] of valid queries)."""
     valid = positions < lengths[:, None]
     k_pos = jnp.where(valid, positions, -1)
-    return chunked_attention(q, k, v, positions, k_pos, sliding_window, chunk, q_valid=valid)
+    return chunked_attention(
+        q, k, v, q_pos=positions, k_pos=k_pos, sliding_window=sliding_window, chunk=chunk, q_valid=valid
+    )
 
 
-def _scan_chunked_attention(q, k, v, q_pos, k_pos, sliding_window, chunk, q_valid):
+def _scan_chunked_attention(q, k, v, q_pos, k_pos, q_valid, *, sliding_window: int | None, chunk: int):
     """General chunked attention (any query/key positions): a ``lax.scan`` over query chunks."""
     b, tq, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
     if tq <= chunk:
-        out, probs = dense_attention(q, k, v, q_pos, k_pos, sliding_window)
+        out, probs = dense_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, sliding_window=sliding_window)
         mass = jnp.einsum("bkgts,bt->bkgs", probs, q_valid.astype(jnp.float32))
         return out, mass
     n = -(-tq // chunk)
@@ -306,7 +282,7 @@ def _scan_chunked_attention(q, k, v, q_pos, k_pos, sliding_window, chunk, q_vali
 
     def body(mass, xs):
         q_i, p_i, valid_i = xs
-        out_i, probs_i = dense_attention(q_i, k, v, p_i, k_pos, sliding_window)
+        out_i, probs_i = dense_attention(q_i, k, v, q_pos=p_i, k_pos=k_pos, sliding_window=sliding_window)
         mass = mass + jnp.einsum("bkgts,bt->bkgs", probs_i, valid_i.astype(jnp.float32))
         return mass, out_i
 

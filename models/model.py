@@ -92,7 +92,9 @@ def write_layer(cache: Any, old: Any, new: Any, layer: jax.Array) -> Any:
 
 def uncached_attend(q, k, v, layer_cache, ctx: LayerContext):
     """Causal attention over the current tokens only (no cache); ``layer_cache`` is passed through."""
-    out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window)
+    out, _ = chunked_attention(
+        q, k, v, q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=ctx.cfg.sliding_window
+    )
     return out, layer_cache
 
 

@@ -40,115 +40,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from models.attention import NEG_INF
-from pallas_kernels.dispatch import resolve_interpret, triton_params
 from pallas_kernels.quant import ChannelKeys, QuantFormat, QuantizedWindows, RotatedTokens
 from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotated_partial
+from pallas_kernels.splitk import (
+    DEFAULT_LAUNCH,
+    Launch,
+    PartialRefs,
+    SplitPlan,
+    masked_load,
+    online_softmax,
+    pad_slots,
+    split_attention,
+    unpack_last,
+)
 
-TARGET_PROGRAMS = 512  # programs per launch the split heuristic aims at (a few waves on ~132 SMs)
-BLOCK_TOKENS = 32  # tokens per inner step by default (block slots = BLOCK_TOKENS // W)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# split planning and the jnp combine
-
-
-class SplitPlan(NamedTuple):
-    """How the slot axis is cut: ``splits`` programs per (row, KV head), ``chunks`` steps of ``block``."""
-
-    block: int
-    chunks: int
-    splits: int
-
-    @property
-    def per_program(self) -> int:
-        return self.block * self.chunks
-
-    @property
-    def padded(self) -> int:
-        return self.per_program * self.splits
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(int(x), 1).bit_length() - 1)
-
-
-def _pow2_ceil(x: int) -> int:
-    return 1 << (max(int(x), 1) - 1).bit_length()
-
-
-def plan_splits(
-    n: int, rows: int, block: int, num_splits: int | None = None, target_programs: int = TARGET_PROGRAMS
-) -> SplitPlan:
-    """Split ``n`` slots for ``rows`` = B * Hkv (row, KV head) pairs.
-
-    ``block`` is rounded down to a power of two and capped at the next power of two of ``n``. Without
-    ``num_splits``, enough splits are made to reach about ``target_programs`` programs in all.
-    """
-    block = min(_pow2_floor(block), _pow2_ceil(n))
-    n_blocks = -(-n // block)
-    if num_splits is None:
-        num_splits = -(-target_programs // max(rows, 1))
-    splits = max(1, min(int(num_splits), n_blocks))
-    chunks = -(-n_blocks // splits)
-    return SplitPlan(block, chunks, -(-n_blocks // chunks))
-
-
-def default_block_slots(window: int) -> int:
-    """Slots per inner step: about ``BLOCK_TOKENS`` tokens, a power of two."""
-    return _pow2_floor(max(1, BLOCK_TOKENS // window))
-
-
-def combine_splits(
-    out_p: jax.Array, m_p: jax.Array, l_p: jax.Array, mass_p: jax.Array, cm_p: jax.Array, n: int
-) -> Partial:
-    """Merge per-program partials into one partial over all slots.
-
-    out_p [B, Hkv, NS, G, D], m_p, l_p [B, Hkv, NS, G]; mass_p [B, Hkv, NS, G, C*BS] per-slot sums relative
-    to the step maxima cm_p [B, Hkv, NS, G, C]. Returns (out [B, Hkv, G, D], m, l [B, Hkv, G],
-    slot_mass [B, Hkv, G, n]) with every sum relative to the global max ``m``.
-    """
-    m = jnp.max(m_p, axis=2)  # [B, Hkv, G]
-    w = jnp.exp(m_p - m[:, :, None])  # [B, Hkv, NS, G]
-    out = jnp.sum(w[..., None] * out_p, axis=2)
-    den = jnp.sum(w * l_p, axis=2)
-    b, hkv, ns, g, per_program = mass_p.shape
-    chunks = cm_p.shape[-1]
-    step_w = jnp.exp(cm_p - m[:, :, None, :, None])[..., None]  # [B, Hkv, NS, G, C, 1]
-    mass = mass_p.reshape(b, hkv, ns, g, chunks, per_program // chunks) * step_w
-    mass = mass.transpose(0, 1, 3, 2, 4, 5).reshape(b, hkv, g, ns * per_program)[..., :n]
-    return Partial(out, m, den, mass)
+LEDGER_WARPS = 8  # Triton warps of the ledger kernels unless the launch names some
 
 
 # ----------------------------------------------------------------------------------------------------------
-# in-kernel helpers (shared with pallas_kernels.fused_attention)
+# in-kernel RoPE
 
 
-def masked_load(ref, mask: jax.Array) -> jax.Array:
-    """``ref[...]`` where ``mask`` (same shape), 0 elsewhere; masked-off elements are not read."""
-    return pltriton.load(ref, mask=mask, other=0)
-
-
-def unpack_last(codes: jax.Array, bits: int) -> jax.Array:
-    """Unpack codes [..., M] uint8 into [..., M * 8 / bits] uint8.
-
-    Element i comes from byte i // per at bit shift (i % per) * bits, per = 8 // bits.
-    """
-    per = 8 // bits
-    shifts = jnp.arange(per, dtype=jnp.int32).astype(jnp.uint8) * jnp.uint8(bits)
-    fields = jnp.right_shift(codes[..., None], shifts) & jnp.uint8((1 << bits) - 1)
-    return fields.reshape(*codes.shape[:-1], codes.shape[-1] * per)
-
-
-def rope_cos_sin(start: jax.Array, theta: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
+def window_cos_sin(start: jax.Array, theta: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
     """cos, sin [BS, D/2, W] of the angles ``fl(fl(start + t) * theta)`` for t < W (see the module docstring).
 
     start: [BS] int32 first position of each slot; theta: [D/2] f32 inverse frequencies.
@@ -165,123 +83,6 @@ def rope_cos_sin(start: jax.Array, theta: jax.Array, window: int) -> tuple[jax.A
     c_off = co * e2 - so * eps
     s_off = so * e2 + co * eps
     return cb * c_off - sb * s_off, sb * c_off + cb * s_off
-
-
-class Running(NamedTuple):
-    """Online-softmax state per query head g: running max, sum and unnormalized output [D]."""
-
-    m: tuple[jax.Array, ...]
-    den: tuple[jax.Array, ...]
-    acc: tuple[jax.Array, ...]
-
-
-def running_init(groups: int, d: int) -> Running:
-    return Running(
-        tuple(jnp.float32(NEG_INF) for _ in range(groups)),
-        tuple(jnp.float32(0.0) for _ in range(groups)),
-        tuple(jnp.zeros((d,), jnp.float32) for _ in range(groups)),
-    )
-
-
-def online_step(
-    state: Running,
-    logits: Sequence[jax.Array],
-    valid: jax.Array,
-    v: jax.Array,
-    step: jax.Array,
-    block: int,
-    mass_ref,
-    cm_ref,
-) -> Running:
-    """Fold one step of ``block`` slots into the running state of every query head.
-
-    logits: per head g, [BS, W] scaled logits; valid [BS, W] bool; v [BS, W, D] f32. Writes the per-slot
-    sums ``exp(s - m_new)`` to ``mass_ref[g, step*BS:(step+1)*BS]`` and ``m_new`` to ``cm_ref[g, step]``.
-    """
-    ms, dens, accs = [], [], []
-    rows = pl.ds(step * block, block)
-    for g, s in enumerate(logits):
-        s = jnp.where(valid, s, NEG_INF)
-        m_new = jnp.maximum(state.m[g], jnp.max(s))
-        p = jnp.where(valid, jnp.exp(s - m_new), 0.0)  # [BS, W]
-        alpha = jnp.exp(state.m[g] - m_new)
-        slot = jnp.sum(p, axis=1)  # [BS]
-        mass_ref[g, rows] = slot
-        cm_ref[g, step] = m_new
-        ms.append(m_new)
-        dens.append(alpha * state.den[g] + jnp.sum(slot))
-        accs.append(alpha * state.acc[g] + jnp.sum(p[:, :, None] * v, axis=(0, 1)))
-    return Running(tuple(ms), tuple(dens), tuple(accs))
-
-
-def write_running(state: Running, out_ref, m_ref, l_ref) -> None:
-    for g in range(len(state.m)):
-        out_ref[g, :] = state.acc[g]
-        m_ref[g] = state.m[g]
-        l_ref[g] = state.den[g]
-
-
-def split_call(
-    kernel: Callable[..., None],
-    inputs: Sequence[jax.Array],
-    in_specs: Sequence[pl.BlockSpec],
-    q: jax.Array,
-    plan: SplitPlan,
-    *,
-    interpret: bool,
-    num_warps: int,
-    num_stages: int,
-    poison: bool,
-    name: str,
-) -> tuple[jax.Array, ...]:
-    """Run a split-K decode kernel over grid (B, Hkv, splits); returns (out, m, l, mass, cm) partials.
-
-    With ``poison`` the outputs start as NaN (aliased NaN buffers), so an element the kernel does not write
-    shows up as NaN: a check for tests and the GPU bench.
-    """
-    b, hkv, g, d = q.shape
-    ns, ch, nc = plan.splits, plan.per_program, plan.chunks
-    f32 = jnp.float32
-    out_shape = (
-        jax.ShapeDtypeStruct((b, hkv, ns, g, d), f32),
-        jax.ShapeDtypeStruct((b, hkv, ns, g), f32),
-        jax.ShapeDtypeStruct((b, hkv, ns, g), f32),
-        jax.ShapeDtypeStruct((b, hkv, ns, g, ch), f32),
-        jax.ShapeDtypeStruct((b, hkv, ns, g, nc), f32),
-    )
-    out_specs = (
-        pl.BlockSpec((None, None, None, g, d), lambda i, j, k: (i, j, k, 0, 0)),
-        pl.BlockSpec((None, None, None, g), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, None, None, g), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, None, None, g, ch), lambda i, j, k: (i, j, k, 0, 0)),
-        pl.BlockSpec((None, None, None, g, nc), lambda i, j, k: (i, j, k, 0, 0)),
-    )
-    inputs, in_specs, aliases, body = list(inputs), list(in_specs), {}, kernel
-    if poison:
-        n_in = len(inputs)
-        inputs += [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-        in_specs += list(out_specs)
-        aliases = {n_in + i: i for i in range(len(out_shape))}
-
-        def body(*refs):
-            kernel(*refs[:n_in], *refs[n_in + len(out_shape) :])
-
-    return pl.pallas_call(
-        body,
-        out_shape=out_shape,
-        grid=(b, hkv, ns),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        input_output_aliases=aliases,
-        interpret=interpret,
-        compiler_params=None if interpret else triton_params(num_warps, num_stages),
-        name=name,
-    )(*inputs)
-
-
-def pad_slots(x: jax.Array, n: int, value) -> jax.Array:
-    """Pad x [B, N] along N to ``n`` with ``value``."""
-    return jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=value)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -301,51 +102,33 @@ def _dequant_rows(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -
 
 
 def _ledger_kernel(
-    q_ref,  # [G, D]
-    kc_ref,  # [CH, D, W*bits/8]
-    ks_ref,  # [CH, D]
-    kz_ref,
-    vc_ref,  # [CH, W, D*bits/8]
-    vs_ref,  # [CH, W]
-    vz_ref,
-    start_ref,  # [CH] int32
-    valid_ref,  # [CH] int32
-    freq_ref,  # [D/2] f32
-    out_ref,  # [G, D]
-    m_ref,  # [G]
-    l_ref,  # [G]
-    mass_ref,  # [G, CH]
-    cm_ref,  # [G, C]
-    *,
-    window: int,
-    bits: int,
-    plan: SplitPlan,
-):
+    q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, start_ref, valid_ref, freq_ref, outs: PartialRefs,
+    *, window: int, bits: int, plan: SplitPlan,
+):  # fmt: skip
+    """One program of the "channel" format. q [G, D]; keys: codes [CH, D, W*bits/8], scale and zero
+    [CH, D] per channel; values: codes [CH, W, D*bits/8], scale and zero [CH, W] per token; start, valid
+    [CH] int32; freq [D/2] f32."""
     groups, d = q_ref.shape
-    half, bs = d // 2, plan.block
+    half = d // 2
     scale = d**-0.5
     theta = freq_ref[...].astype(jnp.float32)
     q1 = [q_ref[g, pl.ds(0, half)].astype(jnp.float32) * scale for g in range(groups)]
     q2 = [q_ref[g, pl.ds(half, half)].astype(jnp.float32) * scale for g in range(groups)]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
 
-    def step(i, state: Running) -> Running:
-        rows = pl.ds(i * bs, bs)
-        valid = valid_ref[rows] != 0  # [BS]
+    def load(rows, valid):
         k1 = _dequant_rows(kc_ref.at[rows, lo], ks_ref.at[rows, lo], kz_ref.at[rows, lo], valid, bits)
         k2 = _dequant_rows(kc_ref.at[rows, hi], ks_ref.at[rows, hi], kz_ref.at[rows, hi], valid, bits)
-        cos, sin = rope_cos_sin(start_ref[rows], theta, window)  # [BS, D/2, W]
+        cos, sin = window_cos_sin(start_ref[rows], theta, window)  # [BS, D/2, W]
         kr1 = k1 * cos - k2 * sin
         kr2 = k2 * cos + k1 * sin
         v = _dequant_rows(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, bits)  # [BS, W, D]
         logits = [
             jnp.sum(q1[g][None, :, None] * kr1 + q2[g][None, :, None] * kr2, axis=1) for g in range(groups)
         ]
-        tok_valid = jnp.broadcast_to(valid[:, None], (bs, window))
-        return online_step(state, logits, tok_valid, v, i, bs, mass_ref, cm_ref)
+        return logits, v
 
-    state = jax.lax.fori_loop(0, plan.chunks, step, running_init(groups, d))
-    write_running(state, out_ref, m_ref, l_ref)
+    online_softmax(load, valid_ref=valid_ref, outs=outs, plan=plan, groups=groups, window=window, d=d)
 
 
 def _dequant_tokens(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -> jax.Array:
@@ -366,67 +149,39 @@ def _dequant_tokens(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int)
 
 
 def _rotated_kernel(
-    q_ref,  # [G, D] rotated query
-    kc_ref,  # [CH, W, D*k_bits/8]
-    ks_ref,  # [CH, W]
-    kz_ref,
-    vc_ref,  # [CH, W, D*v_bits/8]
-    vs_ref,  # [CH, W]
-    vz_ref,
-    valid_ref,  # [CH] int32
-    out_ref,  # [G, D]
-    m_ref,  # [G]
-    l_ref,  # [G]
-    mass_ref,  # [G, CH]
-    cm_ref,  # [G, C]
-    *,
-    window: int,
-    fmt: RotatedTokens,
-    plan: SplitPlan,
-):
+    q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, valid_ref, outs: PartialRefs,
+    *, window: int, fmt: RotatedTokens, plan: SplitPlan,
+):  # fmt: skip
+    """One program of ``RotatedTokens``. q [G, D] rotated query; keys and values: codes [CH, W, D*bits/8],
+    scale and zero [CH, W] per token; valid [CH] int32."""
     groups, d = q_ref.shape
-    bs = plan.block
     qs = [q_ref[g, :].astype(jnp.float32) * d**-0.5 for g in range(groups)]
 
-    def step(i, state: Running) -> Running:
-        rows = pl.ds(i * bs, bs)
-        valid = valid_ref[rows] != 0  # [BS]
-        k = _dequant_tokens(
-            kc_ref.at[rows], ks_ref.at[rows], kz_ref.at[rows], valid, fmt.k_bits
-        )  # [BS, W, D]
+    def load(rows, valid):
+        k = _dequant_tokens(kc_ref.at[rows], ks_ref.at[rows], kz_ref.at[rows], valid, fmt.k_bits)
         v = _dequant_tokens(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, fmt.v_bits)
-        logits = [jnp.sum(qs[g][None, None, :] * k, axis=-1) for g in range(groups)]  # [BS, W]
-        tok_valid = jnp.broadcast_to(valid[:, None], (bs, window))
-        return online_step(state, logits, tok_valid, v, i, bs, mass_ref, cm_ref)
+        return [jnp.sum(qs[g][None, None, :] * k, axis=-1) for g in range(groups)], v  # [BS, W] per head
 
-    state = jax.lax.fori_loop(0, plan.chunks, step, running_init(groups, d))
-    write_running(state, out_ref, m_ref, l_ref)
+    online_softmax(load, valid_ref=valid_ref, outs=outs, plan=plan, groups=groups, window=window, d=d)
 
 
-def _rotated_call(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens, **opts) -> Partial:
+def _rotated_call(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens, *, launch: Launch) -> Partial:
     """``reference.RotatedAttention`` by ``_rotated_kernel`` (split-K over the slots, as the channel kernel)."""
     codes, _, slot_valid = tier
-    b, hkv, g, d = q_rot.shape
+    b, hkv = q_rot.shape[:2]
     nl, w = codes.k_codes.shape[2], codes.k_codes.shape[3]
-    block_slots, num_splits = opts.pop("block_slots"), opts.pop("num_splits")
-    plan = plan_splits(nl, b * hkv, block_slots or default_block_slots(w), num_splits)
-    ch = plan.per_program
-    valid = pad_slots(slot_valid.astype(jnp.int32), plan.padded, 0)
-    kb, vb = d * fmt.k_bits // 8, d * fmt.v_bits // 8
-    in_specs = [
-        pl.BlockSpec((None, None, g, d), lambda i, j, k: (i, j, 0, 0)),
-        pl.BlockSpec((None, None, ch, w, kb), lambda i, j, k: (i, j, k, 0, 0)),
-        pl.BlockSpec((None, None, ch, w), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, None, ch, w), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, None, ch, w, vb), lambda i, j, k: (i, j, k, 0, 0)),
-        pl.BlockSpec((None, None, ch, w), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, None, ch, w), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, ch), lambda i, j, k: (i, k)),
-    ]
-    inputs = (q_rot, *jax.tree.leaves(codes), valid)
-    kernel = functools.partial(_rotated_kernel, window=w, fmt=fmt, plan=plan)
-    parts = split_call(kernel, inputs, in_specs, q_rot, plan, name="rotated_ledger_attention", **opts)
-    return combine_splits(*parts, nl)
+    plan = launch.plan(slots=nl, rows=b * hkv, window=w)
+    return split_attention(
+        functools.partial(_rotated_kernel, window=w, fmt=fmt, plan=plan),
+        q=q_rot,
+        slot_inputs=jax.tree.leaves(codes),
+        row_inputs=[pad_slots(slot_valid.astype(jnp.int32), plan.padded, 0)],
+        slots=nl,
+        plan=plan,
+        launch=launch,
+        default_warps=LEDGER_WARPS,
+        name="rotated_ledger_attention",
+    )
 
 
 def _check_ledger_shapes(
@@ -453,91 +208,37 @@ def _check_ledger_shapes(
         raise ValueError(f"the rotated ledger format needs head_dim % 8 == 0, got {d}")
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "window",
-        "fmt",
-        "interpret",
-        "block_slots",
-        "num_splits",
-        "num_warps",
-        "num_stages",
-        "poison",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("window", "fmt", "launch"))
 def ledger_attention(
-    q: jax.Array,
-    tier: QuantTier,
-    inv_freq: jax.Array,
-    *,
-    window: int,
-    fmt: QuantFormat,
-    interpret: bool | None = None,
-    block_slots: int | None = None,
-    num_splits: int | None = None,
-    num_warps: int = 8,
-    num_stages: int = 2,
-    poison: bool = False,
+    q: jax.Array, tier: QuantTier, inv_freq: jax.Array, *, window: int, fmt: QuantFormat, launch: Launch = DEFAULT_LAUNCH
 ) -> Partial:
     """Attention partial of one decode query per head over the packed ledger (Pallas kernel).
 
     Same arguments and results as ``pallas_kernels.reference.ledger_partial``: q [B, Hkv, G, D]; tier (codes
     [B, Hkv, NL, ...] in format ``fmt``, slot_start [B, NL] int32, slot_valid [B, NL] bool); inv_freq [D/2]
     f32. The "channel" format runs ``_ledger_kernel``; ``RotatedTokens`` runs ``_rotated_kernel`` on the
-    rotated query (``reference.rotated_partial``). Returns a ``Partial`` (out [B, Hkv, G, D] unnormalized, m, l [B, Hkv, G], mass per slot
-    [B, Hkv, G, NL]), all f32.
-
-    Options: ``interpret`` (default: not on a GPU), ``block_slots`` (slots per inner step, a power of two;
-    default ``BLOCK_TOKENS // W``), ``num_splits`` (programs per (row, KV head); default aims at
-    ``TARGET_PROGRAMS`` programs), Triton ``num_warps`` / ``num_stages``, ``poison`` (NaN-initialized
-    outputs, for checks).
+    rotated query (``reference.rotated_partial``). Returns a ``Partial`` (out [B, Hkv, G, D] unnormalized,
+    m, l [B, Hkv, G], mass per slot [B, Hkv, G, NL]), all f32. ``launch``: interpret mode, Triton options,
+    the slot split and NaN poisoning (``splitk.Launch``; 8 warps by default).
     """
     codes, slot_start, slot_valid = tier
     _check_ledger_shapes(q, codes, slot_start, slot_valid, inv_freq, window, fmt)
-    b, hkv, g, d = q.shape
+    b, hkv = q.shape[:2]
     nl = codes.k_codes.shape[2]
     if nl == 0:
         return empty_partial(q)
     if isinstance(fmt, RotatedTokens):
-        opts = dict(
-            block_slots=block_slots,
-            num_splits=num_splits,
-            interpret=resolve_interpret(interpret),
-            num_warps=num_warps,
-            num_stages=num_stages,
-            poison=poison,
-        )
-        return rotated_partial(q, tier, fmt, functools.partial(_rotated_call, **opts))
-    bits = fmt.bits
-    plan = plan_splits(nl, b * hkv, block_slots or default_block_slots(window), num_splits)
-    ch, per = plan.per_program, 8 // bits
-    start = pad_slots(slot_start.astype(jnp.int32), plan.padded, 0)
-    valid = pad_slots(slot_valid.astype(jnp.int32), plan.padded, 0)
-    in_specs = [
-        pl.BlockSpec((None, None, g, d), lambda i, j, k: (i, j, 0, 0)),
-        pl.BlockSpec((None, None, ch, d, window // per), lambda i, j, k: (i, j, k, 0, 0)),
-        pl.BlockSpec((None, None, ch, d), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, None, ch, d), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, None, ch, window, d // per), lambda i, j, k: (i, j, k, 0, 0)),
-        pl.BlockSpec((None, None, ch, window), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, None, ch, window), lambda i, j, k: (i, j, k, 0)),
-        pl.BlockSpec((None, ch), lambda i, j, k: (i, k)),
-        pl.BlockSpec((None, ch), lambda i, j, k: (i, k)),
-        pl.BlockSpec((d // 2,), lambda i, j, k: (0,)),
-    ]
-    inputs = (q, *jax.tree.leaves(codes), start, valid, inv_freq.astype(jnp.float32))
-    kernel = functools.partial(_ledger_kernel, window=window, bits=bits, plan=plan)
-    parts = split_call(
-        kernel,
-        inputs,
-        in_specs,
-        q,
-        plan,
-        interpret=resolve_interpret(interpret),
-        num_warps=num_warps,
-        num_stages=num_stages,
-        poison=poison,
+        return rotated_partial(q, tier, fmt, functools.partial(_rotated_call, launch=launch))
+    plan = launch.plan(slots=nl, rows=b * hkv, window=window)
+    return split_attention(
+        functools.partial(_ledger_kernel, window=window, bits=fmt.bits, plan=plan),
+        q=q,
+        slot_inputs=jax.tree.leaves(codes),
+        row_inputs=[pad_slots(x.astype(jnp.int32), plan.padded, 0) for x in (slot_start, slot_valid)],
+        shared_inputs=[inv_freq.astype(jnp.float32)],
+        slots=nl,
+        plan=plan,
+        launch=launch,
+        default_warps=LEDGER_WARPS,
         name="ledger_attention",
     )
-    return combine_splits(*parts, nl)

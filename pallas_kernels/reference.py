@@ -231,51 +231,50 @@ def merge_tiers(tiers: Sequence[Partial], *, head_mean: bool = True) -> TierAtte
     return TierAttention(out, *masses)
 
 
+SlotAttention = Callable[[jax.Array, DenseTier], Partial]
+
+
+def _check_tiers(q: jax.Array, sink: DenseTier, f: DenseTier, ledger: QuantTier, ring: DenseTier) -> None:
+    b, hkv, _, d = q.shape
+    for name, tier in (("sink", sink), ("f", f), ("ring", ring)):
+        if tier.k.shape[:2] != (b, hkv) or tier.k.shape[-1] != d or tier.v.shape != tier.k.shape:
+            raise ValueError(f"{name}: k {tier.k.shape}, v {tier.v.shape} do not match q {q.shape}")
+        if tier.valid.shape[:2] != (b, tier.k.shape[2]):
+            raise ValueError(f"{name}: valid {tier.valid.shape} is not [B, N] = {(b, tier.k.shape[2])}")
+    kc = ledger.codes.k_codes
+    if kc.shape[:2] != (b, hkv):  # the rest is the ledger attention's check (it knows the format)
+        raise ValueError(f"ledger codes {kc.shape} do not match q {q.shape}")
+    if not sink.k.shape[2] + f.k.shape[2] + kc.shape[2] + ring.k.shape[2]:
+        raise ValueError("every tier is empty")
+
+
 def tier_partials(
     q: jax.Array,
     sink: DenseTier,
-    fp: DenseTier,
+    f: DenseTier,
     ledger: QuantTier,
-    local: DenseTier,
+    ring: DenseTier,
     inv_freq: jax.Array,
     *,
     window: int,
     fmt: QuantFormat,
+    slot_attention: SlotAttention = slot_partial,
     ledger_attention: LedgerAttention = ledger_partial,
 ) -> list[Partial]:
-    """The (sink, F, Q, local) partials of one query per head q [B, Hkv, G, D] (post-RoPE, unscaled): what
-    ``merge_tiers`` combines. Every partial is per (row, KV head), so a shard of rows and KV heads computes
-    its own from its own tiers (``qevict_jax.core.sharding.on_shards``).
+    """The (sink, F, Q, ring) partials of one query per head q [B, Hkv, G, D] (post-RoPE, unscaled):
+    ``merge_tiers`` of them is decode attention over ``sink | F | Q | ring``. Every partial is per (row, KV
+    head), so a shard of rows and KV heads computes its own from its own tiers
+    (``qevict_jax.core.sharding.on_shards``).
 
-    sink: [B, Hkv, S, D] tokens; fp: [B, Hkv, NF, W, D] slots (valid per slot, or per token with a sliding
-    window); ledger: the Q tier, whose partial ``ledger_attention`` computes (this reference by default, or a
-    kernel); local: [B, Hkv, NR, D] tokens.
+    sink: [B, Hkv, S, D] tokens; f: [B, Hkv, NF, W, D] slots (valid per slot, or per token with a sliding
+    window); ledger: the Q tier; ring: [B, Hkv, NR, D] tokens. ``slot_attention`` computes the dense tiers'
+    partials and ``ledger_attention`` the Q tier's: these jnp references by default, or kernels
+    (``pallas_kernels.fused_attention.fused_partials``, the CPU ledger kernel).
     """
+    _check_tiers(q, sink, f, ledger, ring)
     return [
-        slot_partial(q, sink),
-        slot_partial(q, fp),
+        slot_attention(q, sink),
+        slot_attention(q, f),
         ledger_attention(q, ledger, inv_freq, window=window, fmt=fmt),
-        slot_partial(q, local),
+        slot_attention(q, ring),
     ]
-
-
-def tier_attention_reference(
-    q: jax.Array,
-    sink: DenseTier,
-    fp: DenseTier,
-    ledger: QuantTier,
-    local: DenseTier,
-    inv_freq: jax.Array,
-    *,
-    window: int,
-    fmt: QuantFormat,
-    ledger_attention: LedgerAttention = ledger_partial,
-) -> TierAttention:
-    """Decode attention of one query per head q [B, Hkv, G, D] (post-RoPE, unscaled) over ``sink | F | Q |
-    local``, the pure-jnp reference of ``pallas_kernels.fused_attention``: ``merge_tiers`` of
-    ``tier_partials`` (same arguments)."""
-    return merge_tiers(
-        tier_partials(
-            q, sink, fp, ledger, local, inv_freq, window=window, fmt=fmt, ledger_attention=ledger_attention
-        )
-    )

@@ -46,10 +46,10 @@ def test_chunked_attention_matches_float64(causal_blocks, t, chunk, window):
     q_valid = k_pos >= 0
     out, mass = chunked_attention(
         *(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
-        jnp.asarray(pos),
-        jnp.asarray(k_pos),
-        window,
-        chunk,
+        q_pos=jnp.asarray(pos),
+        k_pos=jnp.asarray(k_pos),
+        sliding_window=window,
+        chunk=chunk,
         q_valid=jnp.asarray(q_valid),
         causal_blocks=causal_blocks,
     )

@@ -436,7 +436,7 @@ def test_qevict_restkv_ranks_prompt_windows_by_restkv():
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
 
     valid = pos < lengths[:, None]
-    _, mass = chunked_attention(f(q), f(k), f(v), pos, jnp.where(valid, pos, -1), None, 512, q_valid=valid)
+    _, mass = chunked_attention(f(q), f(k), f(v), q_pos=pos, k_pos=jnp.where(valid, pos, -1), q_valid=valid)
     nw = (T - 5) // 8
     got = np.asarray(
         make_ranking("restkv").prefill_window_scores(

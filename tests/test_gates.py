@@ -44,8 +44,8 @@ def test_retention_bias_weights_attention_by_beta_power_age():
     v = jnp.asarray(rs.randn(b, t, hkv, d), jnp.float32)
     lb = jnp.asarray(-rs.rand(b, t, hkv), jnp.float32)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    _, plain = dense_attention(q, k, v, pos, pos)
-    _, gated = dense_attention(q, k, v, pos, pos, logit_bias=gt.retention_bias(lb, pos, pos))
+    _, plain = dense_attention(q, k, v, q_pos=pos, k_pos=pos)
+    _, gated = dense_attention(q, k, v, q_pos=pos, k_pos=pos, logit_bias=gt.retention_bias(lb, pos, pos))
     beta = np.exp(np.asarray(lb))[0].T  # [Hkv, T]
     age = np.maximum(np.arange(t)[:, None] - np.arange(t)[None], 0)
     w = np.asarray(plain)[0] * (beta[:, None, None, :] ** age[None, None])  # [Hkv, G, T, T]
@@ -167,7 +167,9 @@ def hidden_states(model, tokens: np.ndarray) -> np.ndarray:
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
     def attend(q, k, v, cache, ctx):
-        out, _ = chunked_attention(q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window)
+        out, _ = chunked_attention(
+            q, k, v, q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=ctx.cfg.sliding_window
+        )
         return out, ctx.hidden
 
     zeros = jnp.zeros((model.cfg.num_layers, b, t, model.cfg.hidden_size), jnp.float32)

@@ -17,16 +17,18 @@ from hypothesis import strategies as st
 
 from models.attention import NEG_INF
 from pallas_kernels import cpu_ledger, dispatch
-from pallas_kernels.fused_attention import dense_slot_attention, fused_attention
-from pallas_kernels.ledger_attention import ledger_attention, plan_splits, rope_cos_sin, unpack_last
+from pallas_kernels.fused_attention import dense_slot_attention, fused_partials
+from pallas_kernels.ledger_attention import ledger_attention, window_cos_sin
 from pallas_kernels.quant import ChannelKeys, QuantizedWindows, unpack
 from pallas_kernels.reference import (
     DenseTier,
     QuantTier,
     ledger_partial,
+    merge_tiers,
     slot_partial,
-    tier_attention_reference,
+    tier_partials,
 )
+from pallas_kernels.splitk import Launch, plan_splits, unpack_last
 
 SINK = 5
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -78,14 +80,14 @@ def _ledger(args: dict) -> dict:
 
 
 def _tiers(args: dict) -> dict:
-    """``fused_attention``'s keyword arguments from the flat arrays (local_pos -1 = empty)."""
+    """``fused_partials``' keyword arguments from the flat arrays (local_pos -1 = empty)."""
     led = _ledger(args)
     return dict(
         q=args["q"],
         sink=DenseTier(args["sink_k"], args["sink_v"], args["sink_valid"]),
-        fp=DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]),
+        f=DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]),
         ledger=led["tier"],
-        local=DenseTier(args["local_k"], args["local_v"], args["local_pos"] >= 0),
+        ring=DenseTier(args["local_k"], args["local_v"], args["local_pos"] >= 0),
         inv_freq=args["inv_freq"],
     )
 
@@ -181,7 +183,7 @@ def test_unpack_last_matches_quant_unpack(bits):
 def test_rope_cos_sin_matches_f32_angles_up_to_128k():
     theta = _inv_freq(128)
     start = np.array([0, 5, 1021, 65533, 131064], np.int32)
-    cos, sin = (np.asarray(x, np.float64) for x in rope_cos_sin(jnp.asarray(start), jnp.asarray(theta), 8))
+    cos, sin = (np.asarray(x, np.float64) for x in window_cos_sin(jnp.asarray(start), jnp.asarray(theta), 8))
     pos = start[:, None, None] + np.arange(8)[None, None, :]
     angle = (pos.astype(np.float32) * theta[None, :, None]).astype(np.float64)
     assert np.abs(cos - np.cos(angle)).max() < 2e-6
@@ -234,10 +236,7 @@ def test_ledger_attention_matches_reference_and_float64(d, g, w, bits, nl, block
         **_ledger(args),
         window=w,
         fmt=ChannelKeys(bits),
-        interpret=True,
-        block_slots=block,
-        num_splits=splits,
-        poison=True,
+        launch=Launch(interpret=True, block_slots=block, num_splits=splits, poison=True),
     )
     want = ledger_partial(**_ledger(args), window=w, fmt=ChannelKeys(bits))
     _assert_partial(got, [np.asarray(x) for x in want], TOL[dtype], a["slot_valid"])
@@ -289,7 +288,10 @@ def test_ledger_attention_never_reads_invalid_slots():
     for name in ("ks", "kz", "vs", "vz"):
         a[name] = np.where(bad[..., None], np.float16(np.nan), a[name])
     got = ledger_attention(
-        **_ledger(_to_jnp(a)), window=w, fmt=ChannelKeys(bits), interpret=True, block_slots=2, num_splits=2
+        **_ledger(_to_jnp(a)),
+        window=w,
+        fmt=ChannelKeys(bits),
+        launch=Launch(interpret=True, block_slots=2, num_splits=2),
     )
     k, v = _np_ledger_kv(a, w, bits)
     _assert_partial(got, _np_partial(a["q"], k, v, a["slot_valid"]), 1e-5, a["slot_valid"])
@@ -312,7 +314,7 @@ def test_dense_slot_attention_matches_reference_and_float64(d, g, w, n, dtype):
     valid = rng.random((b, n)) < 0.6
     valid[0, 0], valid[1] = True, False
     tier = DenseTier(k, v, jnp.asarray(valid))
-    got = dense_slot_attention(q, tier, interpret=True, block_slots=4, poison=True)
+    got = dense_slot_attention(q, tier, launch=Launch(interpret=True, block_slots=4, poison=True))
     want = [np.asarray(x) for x in slot_partial(q, tier)]
     _assert_partial(got, want, TOL[dtype], valid)
     as64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
@@ -374,10 +376,9 @@ def _np_fused(args: dict, a: dict, w: int, bits: int):
 )
 def test_fused_attention_matches_reference_and_float64(d, g, w, bits, nf, nl, nr, dtype):
     a, args = _fused_inputs(np.random.default_rng(d * g), 2, 2, g, d, w, bits, nf, nl, nr, dtype)
-    got = fused_attention(
-        **_tiers(args), window=w, fmt=ChannelKeys(bits), interpret=True, block_slots=4, num_splits=2, poison=True
-    )
-    want = tier_attention_reference(**_tiers(args), window=w, fmt=ChannelKeys(bits))
+    launch = Launch(interpret=True, block_slots=4, num_splits=2, poison=True)
+    got = merge_tiers(fused_partials(launch=launch)(**_tiers(args), window=w, fmt=ChannelKeys(bits)))
+    want = merge_tiers(tier_partials(**_tiers(args), window=w, fmt=ChannelKeys(bits)))
     np_out, np_masses = _np_fused(args, a, w, bits)
     tol = TOL[dtype]
     names = ("sink_mass", "fp_mass", "q_mass", "local_mass")
@@ -406,6 +407,10 @@ def test_kernels_lower_to_triton_for_cuda():
     if jaxlib_version > (0, 10, 2):
         pytest.skip("this jaxlib compiles Triton during lowering, which needs a GPU")
     _, args = _fused_inputs(np.random.default_rng(0), 2, 2, 4, 128, 8, 2, 3, 37, 9, jnp.bfloat16)
-    fn = functools.partial(fused_attention, window=8, fmt=ChannelKeys(2), interpret=False, poison=True)
+    launch = Launch(interpret=False, poison=True)
+
+    def fn(**tiers):
+        return merge_tiers(fused_partials(launch=launch)(**tiers, window=8, fmt=ChannelKeys(2)))
+
     text = jax.jit(fn).trace(**_abstract(_tiers(args))).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("xla.gpu.triton") == 4  # sink, F, Q, local
+    assert text.count("xla.gpu.triton") == 4  # sink, F, Q, ring

@@ -30,6 +30,7 @@ from pallas_kernels.quant import (
     unpack_tokens,
 )
 from pallas_kernels.reference import QuantTier, ledger_partial
+from pallas_kernels.splitk import Launch
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
 from qevict_jax.core.kv import FullKV
@@ -90,7 +91,9 @@ def _attention64(q, k, v, valid):
 
 
 def _kernels():
-    pallas = functools.partial(ledger_attention, interpret=True, block_slots=2, num_splits=2, poison=True)
+    pallas = functools.partial(
+        ledger_attention, launch=Launch(interpret=True, block_slots=2, num_splits=2, poison=True)
+    )
     impls = {"reference": ledger_partial, "pallas": pallas}
     if cpu_ledger.available():
         impls["cpu"] = cpu_ledger.ledger_attention_cpu

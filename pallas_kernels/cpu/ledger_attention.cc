@@ -404,21 +404,19 @@ void attend_range_rotated(const Shapes& sh, const Inputs& in, int64_t b, int64_t
 using RangeFn = void (*)(const Shapes&, const Inputs&, int64_t, int64_t, int64_t, float*, float*, float*,
                          float*, float*);
 
-// The specialization for (W, D) when there is one (the windows and head dims in use), else the generic loop.
-RangeFn range_fn(int64_t w, int64_t d) {
-  if (w == 8 && d == 64) return attend_range<8, 64>;
-  if (w == 8 && d == 128) return attend_range<8, 128>;
-  if (w == 32 && d == 64) return attend_range<32, 64>;
-  if (w == 32 && d == 128) return attend_range<32, 128>;
-  return attend_range<0, 0>;
+template <int kW, int kD>
+RangeFn pick_range(bool rotated) {
+  return rotated ? attend_range_rotated<kW, kD> : attend_range<kW, kD>;
 }
 
-RangeFn rotated_range_fn(int64_t w, int64_t d) {
-  if (w == 8 && d == 64) return attend_range_rotated<8, 64>;
-  if (w == 8 && d == 128) return attend_range_rotated<8, 128>;
-  if (w == 32 && d == 64) return attend_range_rotated<32, 64>;
-  if (w == 32 && d == 128) return attend_range_rotated<32, 128>;
-  return attend_range_rotated<0, 0>;
+// The specialization for (W, D) when there is one (the windows and head dims in use), else the generic loop;
+// of the "channel" format's range function, or of the rotated format's.
+RangeFn range_fn(int64_t w, int64_t d, bool rotated) {
+  if (w == 8 && d == 64) return pick_range<8, 64>(rotated);
+  if (w == 8 && d == 128) return pick_range<8, 128>(rotated);
+  if (w == 32 && d == 64) return pick_range<32, 64>(rotated);
+  if (w == 32 && d == 128) return pick_range<32, 128>(rotated);
+  return pick_range<0, 0>(rotated);
 }
 
 // Run fn(0..n-1) on the intra-op pool and wait for all of them. The caller claims tasks from the same
@@ -512,7 +510,7 @@ ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(),    kz.typed_data(),
             vc.typed_data(), vs.typed_data(), vz.typed_data(),    valid.typed_data(),
             start.typed_data(), inv_freq.typed_data()};
-  run_ranges(pool, sh, in, range_fn(sh.w, sh.d), out, m_out, l_out, mass_out);
+  run_ranges(pool, sh, in, range_fn(sh.w, sh.d, false), out, m_out, l_out, mass_out);
   return ffi::Error::Success();
 }
 
@@ -535,7 +533,7 @@ ffi::Error RotatedLedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("rotated_ledger_attention: unsupported shapes");
   Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(), kz.typed_data(), vc.typed_data(),
             vs.typed_data(), vz.typed_data(), valid.typed_data(), nullptr, nullptr};
-  run_ranges(pool, sh, in, rotated_range_fn(sh.w, sh.d), out, m_out, l_out, mass_out);
+  run_ranges(pool, sh, in, range_fn(sh.w, sh.d, true), out, m_out, l_out, mass_out);
   return ffi::Error::Success();
 }
 

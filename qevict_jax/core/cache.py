@@ -275,7 +275,9 @@ def shared_prompt_attention(
     if ctx.prompt_attention is not None:
         out, mass = ctx.prompt_attention
     else:
-        out, mass = prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, chunk)
+        out, mass = prompt_attention(
+            q, k, v, positions=ctx.positions, lengths=lengths, sliding_window=ctx.cfg.sliding_window, chunk=chunk
+        )
     out, q, k, v = jax.lax.optimization_barrier((out, q, k, v))
     return out, mass, q, k, v
 

@@ -172,10 +172,16 @@ class FullKV:
         pad = ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))
         return cache.replace(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
 
+    def _prompt_blocks(self, ctx: LayerContext) -> dict[str, Any]:
+        """``chunked_attention``'s keyword arguments of a prompt pass over its own tokens."""
+        return dict(
+            q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=ctx.cfg.sliding_window, chunk=self.prefill_chunk
+        )
+
     def prefill_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
         """q [B, P, H, D], k, v [B, P, Hkv, D]; cache: stacked [L, ...]. Writes the layer's prompt KV."""
         out, _ = chunked_attention(
-            q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk
+            q, k, v, **self._prompt_blocks(ctx)
         )
         at = (ctx.layer, 0, 0, 0, 0)
         cache = cache.replace(
@@ -191,7 +197,7 @@ class FullKV:
             out = ctx.prompt_attention[0]
         else:
             out, _ = chunked_attention(
-                q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, self.prefill_chunk
+                q, k, v, **self._prompt_blocks(ctx)
             )
         cache = cache.replace(
             k=jax.lax.dynamic_update_slice(cache.k, to_words(k.swapaxes(1, 2), cache.dtype), (0, 0, 0, 0)),
@@ -210,7 +216,12 @@ class FullKV:
         b, cap = k_layer.shape[0], k_layer.shape[2]
         k_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
         out, _ = dense_attention(
-            q, k_layer.swapaxes(1, 2), v_layer.swapaxes(1, 2), ctx.positions, k_pos, ctx.cfg.sliding_window
+            q,
+            k_layer.swapaxes(1, 2),
+            v_layer.swapaxes(1, 2),
+            q_pos=ctx.positions,
+            k_pos=k_pos,
+            sliding_window=ctx.cfg.sliding_window,
         )
         length = cache.length.at[ctx.layer].set(pos + 1)
         return out, cache.replace(k=kbuf, v=vbuf, length=length)

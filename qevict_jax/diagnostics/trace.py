@@ -69,7 +69,14 @@ def _reference(graphdef, state, tokens, num_steps: int, n_obs: int, kv_dtype, ch
     def attend(q, k, v, layer_cache, ctx: LayerContext):
         prompt_q = ctx.positions < t - num_steps
         out, col = chunked_attention(
-            q, k, v, ctx.positions, ctx.positions, ctx.cfg.sliding_window, chunk, q_valid=prompt_q
+            q,
+            k,
+            v,
+            q_pos=ctx.positions,
+            k_pos=ctx.positions,
+            sliding_window=ctx.cfg.sliding_window,
+            chunk=chunk,
+            q_valid=prompt_q,
         )
         stored = k.astype(kv_dtype).astype(jnp.float32)
         end = jnp.full((b,), t, jnp.int32)

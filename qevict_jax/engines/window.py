@@ -125,7 +125,7 @@ def tier_attention(
     (``local_mass`` [B, RW]: the ring's W-token windows, window w in slot w % RW).
 
     The cache must already hold the current token (in the sink or the ring) and ``length = q_pos + 1``.
-    ``use_kernel``: the Pallas kernels (``pallas_kernels.fused_attention.fused_partials``; not with a
+    ``use_kernel``: the Pallas kernels (``pallas_kernels.fused_attention.fused_partials()``; not with a
     sliding window, whose token-level masks they do not take), else the jnp reference with the fastest
     ledger attention here. On a mesh (``sharding.mesh_context``) the partials run per shard.
     """
@@ -151,7 +151,7 @@ def tier_attention(
         DenseTier(cache.local_k, cache.local_v, loc_ok),
     )
     if use_kernel and sliding_window is None:
-        partials = functools.partial(fused_partials, window=w, fmt=caps.format)
+        partials = functools.partial(fused_partials(), window=w, fmt=caps.format)
     else:
         partials = functools.partial(tier_partials, window=w, fmt=caps.format, ledger_attention=ledger_attention)
     # on a mesh every device attends over its own rows and KV heads (the kernels have no partitioning rule:

@@ -288,7 +288,9 @@ class Fanout:
     def prefill_attend(self, q, k, v, caches, ctx):
         """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression."""
         lengths = caches[0].length
-        att = prompt_attention(q, k, v, ctx.positions, lengths, ctx.cfg.sliding_window, self.chunk)
+        att = prompt_attention(
+            q, k, v, positions=ctx.positions, lengths=lengths, sliding_window=ctx.cfg.sliding_window, chunk=self.chunk
+        )
         ctx = dataclasses.replace(ctx, prompt_attention=att)
         pairs = [
             (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(q, k, v, c, ctx)

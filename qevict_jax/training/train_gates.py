@@ -97,7 +97,9 @@ def gated_attend(gates: GateParams, memory: float) -> Callable:
         lb = log_beta(gates, ctx.layer, ctx.hidden)  # [B, T, Hkv]
         bias = retention_bias(lb, ctx.positions, ctx.positions)  # [B, Hkv, 1, T, T]
         sw = ctx.cfg.sliding_window
-        out, _ = dense_attention(q, k, v, ctx.positions, ctx.positions, sw, logit_bias=bias)
+        out, _ = dense_attention(
+            q, k, v, q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=sw, logit_bias=bias
+        )
         mask = attention_mask(ctx.positions, ctx.positions, sw)[:, None]  # [B, 1, T, T]
         retained = jnp.sum(jnp.where(mask, jnp.exp(bias[:, :, 0]), 0.0), axis=-1)  # [B, Hkv, T]
         overflow = jnp.maximum(retained - memory, 0.0).mean(axis=(1, 2)) / memory
