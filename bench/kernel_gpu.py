@@ -15,7 +15,7 @@ On a GPU (finishes in a few minutes on an H200):
 CPU (interpret-mode times say nothing about GPU speed; they only show that the script runs).
 
 Tier sizes at beta (per layer and batch row, bytes as allocated): budget = beta * bf16 Full-KV bytes of
-the context; sink (5) and local ring (recent 128 + W) in bf16 are paid first; of the rest, q_frac = 0.7
+the context; sink (5) and ring (recent 128 + W) in bf16 are paid first; of the rest, q_frac = 0.7
 goes to ledger slots (INT2 codes + f16 grids + slot_start + valid flag), 0.3 to F slots (bf16 + valid).
 """
 
@@ -96,11 +96,11 @@ def tier_sizes(ctx: int, s: Setup) -> tuple[int, int, int]:
     token_bytes = 2 * s.kv_heads * s.head_dim * bf16
     budget = s.beta * ctx * token_bytes
     nr = s.recent + s.window
-    hist = budget - (s.sink + nr) * token_bytes - 4 * nr  # local ring (+ positions)
-    led_slot = s.kv_heads * s.ledger_head_bytes()
-    fp_slot = s.window * token_bytes
-    nl = max(0, int(s.q_frac * hist // (led_slot + 4 + 1)))
-    nf = max(0, int((1 - s.q_frac) * hist // (fp_slot + 1)))
+    hist = budget - (s.sink + nr) * token_bytes - 4 * nr  # ring (+ positions)
+    ledger_slot = s.kv_heads * s.ledger_head_bytes()
+    f_slot = s.window * token_bytes
+    nl = max(0, int(s.q_frac * hist // (ledger_slot + 4 + 1)))
+    nf = max(0, int((1 - s.q_frac) * hist // (f_slot + 1)))
     return nf, nl, nr
 
 
@@ -146,12 +146,12 @@ def tier_inputs(key, b: int, ctx: int, s: Setup, dtype=jnp.bfloat16, valid_frac:
         sink_k=normal(k[2], b, hkv, s.sink, d),
         sink_v=normal(k[3], b, hkv, s.sink, d),
         sink_valid=jnp.ones((b, s.sink), bool),
-        fp_k=normal(k[4], b, hkv, nf, w, d),
-        fp_v=normal(k[5], b, hkv, nf, w, d),
-        fp_valid=jax.random.uniform(k[6], (b, nf)) < valid_frac,
-        local_k=normal(k[7], b, hkv, nr, d),
-        local_v=normal(k[8], b, hkv, nr, d),
-        local_valid=jnp.ones((b, nr), bool),
+        f_k=normal(k[4], b, hkv, nf, w, d),
+        f_v=normal(k[5], b, hkv, nf, w, d),
+        f_valid=jax.random.uniform(k[6], (b, nf)) < valid_frac,
+        ring_k=normal(k[7], b, hkv, nr, d),
+        ring_v=normal(k[8], b, hkv, nr, d),
+        ring_valid=jnp.ones((b, nr), bool),
     )
     return args
 
@@ -167,9 +167,9 @@ def fused_args(args: dict) -> dict:
     return dict(
         q=args["q"],
         sink=DenseTier(args["sink_k"], args["sink_v"], args["sink_valid"]),
-        f=DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]),
+        f=DenseTier(args["f_k"], args["f_v"], args["f_valid"]),
         ledger=ledger_args(args)["tier"],
-        ring=DenseTier(args["local_k"], args["local_v"], args["local_valid"]),
+        ring=DenseTier(args["ring_k"], args["ring_v"], args["ring_valid"]),
         inv_freq=args["inv_freq"],
     )
 
@@ -208,7 +208,7 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
         with jax.default_matmul_precision("highest"):
             want_l = ledger_partial(**ledger_args(args), **opts)
             want_f = merge_tiers(tier_partials(**fused_args(args), **opts))
-            dense = (args["q"], DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]))
+            dense = (args["q"], DenseTier(args["f_k"], args["f_v"], args["f_valid"]))
             want_d = slot_partial(*dense)
         launch = Launch(interpret=interpret, poison=True)
         got_l = ledger_attention(**ledger_args(args), **opts, launch=launch)
@@ -223,7 +223,7 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
             "dense.slot_mass": rel_err(got_d[3], want_d[3]),
             "fused.out": rel_err(got_f.out, want_f.out),
         }
-        for name in ("sink_mass", "fp_mass", "q_mass", "local_mass"):
+        for name in ("sink_mass", "f_mass", "q_mass", "ring_mass"):
             errs[f"fused.{name}"] = rel_err(getattr(got_f, name), getattr(want_f, name))
         worst = max(errs.values())
         passed = worst <= tol[dtype] and m_ok
@@ -231,7 +231,7 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
         nl = args["codes"].k_codes.shape[2]
         print(
             f"  {'PASS' if passed else 'FAIL'} dtype={jnp.dtype(dtype).name} {setup.format.name} INT{bits} NL={nl} "
-            f"NF={args['fp_k'].shape[2]} masked-row m ok={m_ok} worst={worst:.2e} (tol {tol[dtype]:g})"
+            f"NF={args['f_k'].shape[2]} masked-row m ok={m_ok} worst={worst:.2e} (tol {tol[dtype]:g})"
         )
         if not passed:
             print("       " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
@@ -324,7 +324,7 @@ def bench_table(s: Setup, contexts, batches, interpret: bool, iters: int, ledger
             q_s = time_call(lambda a: ledger(**a), largs, iters=iters)
             q_gbs = nbytes(largs) / q_s / 1e9
             rows.append(
-                (ctx, b, args["codes"].k_codes.shape[2], args["fp_k"].shape[2], full_s, fused_s, q_s, q_gbs)
+                (ctx, b, args["codes"].k_codes.shape[2], args["f_k"].shape[2], full_s, fused_s, q_s, q_gbs)
             )
             del args, largs
             print(

@@ -17,6 +17,7 @@ from models.checkpoint import load_model
 from models.registry import model_source, resolve_model, transformers_args
 from models.tokenizer import Tokenizer
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
+from qevict_jax.methods.full import FullKV
 from qevict_jax.model_args import add_model_arg
 from qevict_jax.runtime.generate import SamplerConfig, generate
 
@@ -43,8 +44,8 @@ def main() -> None:
     sampler = SamplerConfig(max_new_tokens=g)  # no EOS: always decode g tokens
 
     # f32 KV, as transformers' f32 eager cache: the same arithmetic on both sides
-    generate(model, [ids], sampler, kv_dtype=jnp.float32)  # compile
-    ours = generate(model, [ids], sampler, kv_dtype=jnp.float32)
+    generate(model, [ids], sampler, FullKV(), kv_dtype=jnp.float32)  # compile
+    ours = generate(model, [ids], sampler, FullKV(), kv_dtype=jnp.float32)
 
     torch.set_num_threads(2)
     folder, kwargs = transformers_args(model_source(args.model))

@@ -59,6 +59,7 @@ from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import Capacities, ring_capacity
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE
 from qevict_jax.eval.needle import prose_paragraphs
+from qevict_jax.methods.full import FullKV
 from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.sampling import SamplerConfig
 
@@ -380,7 +381,7 @@ def main() -> None:
             break
     ids = ids[: args.context]
     t0 = time.perf_counter()
-    res = generate(model, [ids], SamplerConfig(max_new_tokens=args.queries))
+    res = generate(model, [ids], SamplerConfig(max_new_tokens=args.queries), FullKV())
     seq = ids + res.tokens[0][: args.queries]
     rec = record_qkv(model, seq)
     kv16 = lambda a: np.asarray(jnp.asarray(a).astype(DEFAULT_KV_DTYPE).astype(jnp.float32), np.float64)

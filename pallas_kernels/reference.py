@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -55,11 +56,11 @@ class QuantTier(NamedTuple):
 
 
 class TierAttention(NamedTuple):
-    """Result of one decode-attention pass over all tiers ``sink | F | Q | local`` (all float32).
+    """Result of one decode-attention pass over all tiers ``sink | F | Q | ring`` (all float32).
 
     out: [B, Hkv, G, D] normalized attention output.
-    sink_mass [B, S], fp_mass [B, NF], q_mass [B, NL], local_mass [B, NR]: attention probability mass per
-    sink token, F slot, Q (ledger) slot and local token, averaged over all H = Hkv * G query heads (each
+    sink_mass [B, S], f_mass [B, NF], q_mass [B, NL], ring_mass [B, NR]: attention probability mass per
+    sink token, F slot, Q (ledger) slot and ring token, averaged over all H = Hkv * G query heads (each
     head's probabilities sum to 1 over all tiers, so the masses of a row sum to 1 when any key is valid);
     or, from ``merge_tiers(..., head_mean=False)``, per KV head (averaged over its G query heads):
     [B, Hkv, S], [B, Hkv, NF], ...
@@ -67,9 +68,9 @@ class TierAttention(NamedTuple):
 
     out: jax.Array
     sink_mass: jax.Array
-    fp_mass: jax.Array
+    f_mass: jax.Array
     q_mass: jax.Array
-    local_mass: jax.Array
+    ring_mass: jax.Array
 
 
 LedgerAttention = Callable[..., Partial]
@@ -218,7 +219,7 @@ def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.A
 
 
 def merge_tiers(tiers: Sequence[Partial], *, head_mean: bool = True) -> TierAttention:
-    """Combine the (sink, F, Q, local) partials of one decode query per head into the normalized output and
+    """Combine the (sink, F, Q, ring) partials of one decode query per head into the normalized output and
     the masses: averaged over every query head, or (``head_mean=False``) per KV head over its group only,
     which needs nothing from another KV head's device on a mesh."""
     live = [i for i, t in enumerate(tiers) if t.mass.shape[-1] > 0]
@@ -272,9 +273,13 @@ def tier_partials(
     (``pallas_kernels.fused_attention.fused_partials``, the CPU ledger kernel).
     """
     _check_tiers(q, sink, f, ledger, ring)
-    return [
+    parts = [
         slot_attention(q, sink),
         slot_attention(q, f),
         ledger_attention(q, ledger, inv_freq, window=window, fmt=fmt),
         slot_attention(q, ring),
     ]
+    lead = q.shape[:3]  # [B, Hkv, G]
+    counts = (sink.k.shape[2], f.k.shape[2], ledger.codes.k_codes.shape[2], ring.k.shape[2])
+    chex.assert_shape([p.mass for p in parts], [(*lead, n) for n in counts])
+    return parts

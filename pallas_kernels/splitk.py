@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -286,4 +287,7 @@ def split_attention(
         compiler_params=None if interpret else triton_params(launch.num_warps or default_warps, launch.num_stages),
         name=name,
     )(*inputs)
-    return combine_splits(*parts, slots)
+    partial = combine_splits(*parts, slots)
+    shapes = [(b, hkv, g, d), (b, hkv, g), (b, hkv, g), (b, hkv, g, slots)]
+    chex.assert_shape([partial.out, partial.m, partial.l, partial.mass], shapes)
+    return partial

@@ -65,7 +65,7 @@ def run_prefill(method, q, k, v, wo, lengths=LENGTHS, layer=0, new=4, budget_tok
 
 def kept_sets(cache) -> list[list[set[int]]]:
     """Per row, per KV head: the positions in the head pool."""
-    pos, head = np.asarray(cache.hp_pos), np.asarray(cache.hp_head)
+    pos, head = np.asarray(cache.pool_pos), np.asarray(cache.pool_head)
     return [[set(pos[b][(head[b] == h) & (pos[b] >= 0)].tolist()) for h in range(HKV)] for b in range(B)]
 
 

@@ -51,7 +51,7 @@ def test_real_cache_fits_the_budget(beta, lengths, wb, batch_dtype):
     assert cache_nbytes(cache) <= budget
     caps = cache.caps
     assert caps.nf + caps.nq > 0 and caps.nq <= caps.nl
-    assert cache.fp_k.shape[3] == caps.nf and cache.ledger.codes.k_codes.shape[3] == caps.nl
+    assert cache.f_k.shape[3] == caps.nf and cache.ledger.codes.k_codes.shape[3] == caps.nl
     if max(caps.nf, caps.nq) < caps.nw_max:  # the budget binds (no cap by the window count): little is unused
         per_slot = (
             2 * MODEL.num_layers * MODEL.num_kv_heads * window * MODEL.head_dim * jnp.dtype(dtype).itemsize

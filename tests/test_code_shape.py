@@ -12,9 +12,6 @@ MAX_LINES = 400
 MAX_POSITIONAL = 6
 KNOWN: dict[str, str] = {
     # what is left, named so that it is not forgotten (each entry must still be needed: a test says so)
-    "pallas_kernels/ledger_attention.py": "543 lines; online_step takes 8 positional parameters",
-    "models/attention.py": "dense_attention, chunked_attention, flash_causal_attention, causal_column_mass and "
-    "prompt_attention take 7-9 positional parameters",
 }
 
 

@@ -56,13 +56,13 @@ def test_deferred_head_mean_routes_and_decodes_as_the_per_step_mean(runs, rankin
         assert a[counter] == b[counter], counter
     # the routed windows are the same, and so are their scores once the last steps' masses are folded in
     x, y = per_step.cache, fold_head_means(deferred.cache)
-    chex.assert_trees_all_equal((x.fp_win, x.ledger.win, x.ledger.active), (y.fp_win, y.ledger.win, y.ledger.active))
+    chex.assert_trees_all_equal((x.f_win, x.ledger.win, x.ledger.active), (y.f_win, y.ledger.win, y.ledger.active))
     chex.assert_trees_all_close(
-        (x.fp_score, x.ledger.score, x.loc_score), (y.fp_score, y.ledger.score, y.loc_score), rtol=1e-5, atol=1e-5
+        (x.f_score, x.ledger.score, x.ring_score), (y.f_score, y.ledger.score, y.ring_score), rtol=1e-5, atol=1e-5
     )
     # the running masses are real: zero after the fold, not before (the last step was not a routing event)
-    assert float(jnp.abs(deferred.cache.loc_pending).sum()) > 0
-    assert float(jnp.abs(y.loc_pending).sum()) == 0
+    assert float(jnp.abs(deferred.cache.ring_pending).sum()) > 0
+    assert float(jnp.abs(y.ring_pending).sum()) == 0
 
 
 def test_deferred_head_mean_costs_hkv_floats_per_scored_entry(runs):
@@ -73,8 +73,8 @@ def test_deferred_head_mean_costs_hkv_floats_per_scored_entry(runs):
     hkv = TINY.num_kv_heads
     extra = 4 * hkv * (c.caps.nf + c.caps.nl + c.caps.ring_windows) * TINY.num_layers * len(per_step.tokens)
     assert deferred.cache_bytes - per_step.cache_bytes == extra
-    chex.assert_shape(c.fp_pending, (TINY.num_layers, 4, hkv, c.caps.nf))
-    chex.assert_shape(per_step.cache.fp_pending, (TINY.num_layers, 4, hkv, 0))
+    chex.assert_shape(c.f_pending, (TINY.num_layers, 4, hkv, c.caps.nf))
+    chex.assert_shape(per_step.cache.f_pending, (TINY.num_layers, 4, hkv, 0))
 
 
 def test_fold_happens_only_when_due(runs):

@@ -16,6 +16,7 @@ from models.attention import chunked_attention, dense_attention
 from models.config import ModelConfig
 from qevict_jax.cli import build_parser, run_train_gates
 from qevict_jax.eval.testing import ByteTokenizer, tiny_model
+from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.gate_methods import GATE_METHODS
 from qevict_jax.methods.registry import make_method
 from qevict_jax.rankings import gates as gt
@@ -196,8 +197,8 @@ def test_gate_pool_keeps_each_heads_top_retention_tokens(tiny, trained):
         eligible = np.arange(PROMPT) < PROMPT - caps.recent
         hkv = CFG.num_kv_heads
         for layer in range(CFG.num_layers):
-            pos = np.asarray(cache.hp_pos[layer, 0])
-            head = np.asarray(cache.hp_head[layer, 0])
+            pos = np.asarray(cache.pool_pos[layer, 0])
+            head = np.asarray(cache.pool_head[layer, 0])
             s = np.where(eligible[:, None], score[layer], -np.inf)
             if name == "gates":
                 for h in range(hkv):
@@ -208,7 +209,7 @@ def test_gate_pool_keeps_each_heads_top_retention_tokens(tiny, trained):
                 want = {(int(f // PROMPT), int(f % PROMPT)) for f in flat}
                 assert {(int(h), int(p)) for h, p in zip(head, pos, strict=True) if p >= 0} == want
         if name == "gates-global":  # the heads' shares differ: the allocation is global
-            counts = np.bincount(np.asarray(cache.hp_head[0, 0])[np.asarray(cache.hp_pos[0, 0]) >= 0])
+            counts = np.bincount(np.asarray(cache.pool_head[0, 0])[np.asarray(cache.pool_pos[0, 0]) >= 0])
             assert counts.min() != counts.max()
 
 
@@ -231,10 +232,10 @@ def test_qevict_gates_ranks_prompt_windows_by_retention(tiny, trained):
     assert 0 < caps.nf < routed
     for layer in range(CFG.num_layers):
         order = np.argsort(-(age * keys[layer]), kind="stable")
-        fp = np.asarray(cache.fp_win[layer, 0])
+        fp = np.asarray(cache.f_win[layer, 0])
         assert set(fp[fp >= 0]) == set(order[: caps.nf])
         np.testing.assert_allclose(
-            np.asarray(cache.fp_score[layer, 0])[fp >= 0], keys[layer][fp[fp >= 0]], rtol=1e-4
+            np.asarray(cache.f_score[layer, 0])[fp >= 0], keys[layer][fp[fp >= 0]], rtol=1e-4
         )
         led, act = np.asarray(cache.ledger.win[layer, 0]), np.asarray(cache.ledger.active[layer, 0])
         assert set(led[act]) == set(order[caps.nf : caps.nf + caps.nq])
@@ -255,7 +256,7 @@ def test_qevict_gates_keys_survive_decoding_and_routing(tiny, trained):
     keys = window_keys(all_log_beta(model, trained, seq), s, w, (n - s) // w)
     assert int(cache.routing_events[0, 0]) >= 5 and int(np.asarray(cache.next_win[0, 0])) * w > PROMPT - s
     for layer in range(CFG.num_layers):
-        for win, score in ((cache.fp_win, cache.fp_score), (cache.ledger.win, cache.ledger.score)):
+        for win, score in ((cache.f_win, cache.f_score), (cache.ledger.win, cache.ledger.score)):
             wl, sl = np.asarray(win[layer, 0]), np.asarray(score[layer, 0])
             ok = (wl >= 0) & ((layer == 0) | (s + (wl + 1) * w <= PROMPT))
             np.testing.assert_allclose(sl[ok], keys[layer][wl[ok]], rtol=1e-4, atol=1e-6)
@@ -265,7 +266,7 @@ def test_gate_methods_with_room_for_everything_equal_full_kv(tiny, trained):
     model, ids = tiny
     prompt = [int(i) for i in ids[:PROMPT]]
     targets = np.asarray(ids[PROMPT : PROMPT + 6])[None]
-    ref = teacher_forced(model, [prompt], targets).logprobs
+    ref = teacher_forced(model, [prompt], targets, FullKV()).logprobs
     for name in GATE_METHODS:
         got = teacher_forced(model, [prompt], targets, roomy_method(name, CFG, PROMPT + 6, gates=trained)).logprobs
         np.testing.assert_allclose(got, ref, atol=1e-4)

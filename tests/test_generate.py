@@ -6,13 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from tiny import decisive_model, roomy_method
 
 from models.config import ModelConfig
 from models.model import Transformer
+from qevict_jax.core.kv import CacheRequest
+from qevict_jax.methods.full import FullKV
 from qevict_jax.runtime import generate as gen
 from qevict_jax.runtime.compiled import ExecutableCache, bucket_floor, bucket_length
-from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.generate import generate, teacher_forced
 from qevict_jax.runtime.sampling import SamplerConfig, sample
 
 TINY = ModelConfig(
@@ -45,14 +48,12 @@ def greedy_uncached(model: Transformer, prompt: list[int], n: int) -> list[int]:
 
 def test_cached_decoding_equals_uncached_forward(model):
     prompt = list(np.random.RandomState(0).randint(0, TINY.vocab_size, 37))
-    res = generate(model, [prompt], SamplerConfig(max_new_tokens=12), kv_dtype=jnp.float32)
+    res = generate(model, [prompt], SamplerConfig(max_new_tokens=12), FullKV(), kv_dtype=jnp.float32)
     assert res.tokens[0] == greedy_uncached(model, prompt, 12)
 
 
 def test_cached_logits_equal_uncached_logits_every_step(model):
     """Decode-step logits of the Full-KV cache equal the uncached forward's logits at every position."""
-    from qevict_jax.core.kv import CacheRequest, FullKV
-
     rs = np.random.RandomState(1)
     seq = rs.randint(0, TINY.vocab_size, 40)
     ref, _ = model(jnp.asarray(seq)[None], jnp.arange(40)[None])
@@ -78,20 +79,18 @@ def test_mixed_length_batch_equals_single_rows(model):
     rs = np.random.RandomState(2)
     prompts = [list(rs.randint(0, TINY.vocab_size, n)) for n in (5, 70, 33)]
     sampler = SamplerConfig(max_new_tokens=10)
-    batch = generate(model, prompts, sampler)
+    batch = generate(model, prompts, sampler, FullKV())
     for i, p in enumerate(prompts):
-        assert batch.tokens[i] == generate(model, [p], sampler).tokens[0]
+        assert batch.tokens[i] == generate(model, [p], sampler, FullKV()).tokens[0]
 
 
 def test_eos_stops_each_row():
     """A row stops at its first EOS (kept), the others go on; EOS chosen from an unconstrained run."""
-    from flax import nnx
-
     m = Transformer(TINY, rngs=nnx.Rngs(5))
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
-    free = generate(m, prompts, SamplerConfig(max_new_tokens=8))
+    free = generate(m, prompts, SamplerConfig(max_new_tokens=8), FullKV())
     eos = free.tokens[0][3]
-    res = generate(m, prompts, SamplerConfig(max_new_tokens=8, eos_ids=(eos,)))
+    res = generate(m, prompts, SamplerConfig(max_new_tokens=8, eos_ids=(eos,)), FullKV())
     first = free.tokens[0].index(eos)
     assert res.tokens[0] == free.tokens[0][: first + 1]
     row1 = free.tokens[1]
@@ -105,11 +104,11 @@ def test_one_compilation_per_bucket(model):
     rs = np.random.RandomState(3)
     # 65..128 share a bucket; 129 starts a new one
     for n in (70, 90, 128):
-        generate(model, [list(rs.randint(0, TINY.vocab_size, n))], sampler)
+        generate(model, [list(rs.randint(0, TINY.vocab_size, n))], sampler, FullKV())
     mid = dict(gen.EXECUTABLES.compilations)
     assert mid.get("_prefill", 0) - before.get("_prefill", 0) <= 1
     assert mid.get("_decode", 0) - before.get("_decode", 0) <= 1
-    generate(model, [list(rs.randint(0, TINY.vocab_size, 129))], sampler)
+    generate(model, [list(rs.randint(0, TINY.vocab_size, 129))], sampler, FullKV())
     assert gen.EXECUTABLES.compilations["_prefill"] - mid.get("_prefill", 0) == 1
 
 
@@ -160,9 +159,9 @@ def test_bucket_lengths():
 
 def test_prompt_longer_than_capacity_is_a_clear_error(model):
     with pytest.raises(ValueError, match="context capacity of 512"):
-        generate(model, [[1] * 500], SamplerConfig(max_new_tokens=20))
+        generate(model, [[1] * 500], SamplerConfig(max_new_tokens=20), FullKV())
     with pytest.raises(ValueError, match="outside"):
-        generate(model, [[1, 2, 1000]], SamplerConfig(max_new_tokens=2))
+        generate(model, [[1, 2, 1000]], SamplerConfig(max_new_tokens=2), FullKV())
 
 
 def test_top_p_sampling_keeps_the_nucleus():
@@ -178,12 +177,10 @@ def test_top_p_sampling_keeps_the_nucleus():
 
 def test_teacher_forced_logprobs_equal_uncached_forward(model):
     """Teacher-forced Full-KV log-probs equal log_softmax of the uncached forward over prompt + targets."""
-    from qevict_jax.runtime.generate import teacher_forced
-
     rs = np.random.RandomState(4)
     prompt = list(rs.randint(0, TINY.vocab_size, 30))
     targets = rs.randint(0, TINY.vocab_size, (1, 9))
-    res = teacher_forced(model, [prompt], targets, kv_dtype=jnp.float32)
+    res = teacher_forced(model, [prompt], targets, FullKV(), kv_dtype=jnp.float32)
     seq = np.concatenate([prompt, targets[0]])
     ref, _ = model(jnp.asarray(seq)[None], jnp.arange(len(seq))[None])
     ref = jax.nn.log_softmax(ref[0, len(prompt) - 1 : -1], axis=-1)
@@ -196,8 +193,6 @@ def test_question_agnostic_generation_with_room_for_everything_equals_full_kv(na
     budget that keeps everything it generates exactly what question-aware Full-KV does."""
     from dataclasses import replace
 
-    from flax import nnx
-
 
     cfg = replace(TINY, max_position_embeddings=2048)
     m = Transformer(cfg, rngs=nnx.Rngs(3))
@@ -208,4 +203,4 @@ def test_question_agnostic_generation_with_room_for_everything_equals_full_kv(na
     with pytest.raises(ValueError, match="outside"):
         generate(m, [prompt], sampler, method, question_starts=[300])
     res = generate(m, [prompt], sampler, method, question_starts=[280], kv_dtype=jnp.float32)
-    assert res.tokens == generate(m, [prompt], sampler, kv_dtype=jnp.float32).tokens
+    assert res.tokens == generate(m, [prompt], sampler, FullKV(), kv_dtype=jnp.float32).tokens

@@ -30,7 +30,7 @@ def test_smollm2_generation_with_forced_kernel_matches_reference(smollm2_dir):
     ker = generate(model, [ids], sampler, ker_method, kv_dtype=f32)
     assert ref.tokens == ker.tokens
     stats = ref.cache
-    assert int(np.asarray(stats.ledger.active).sum()) > 0 and int(np.asarray(stats.fp_win >= 0).sum()) > 0
+    assert int(np.asarray(stats.ledger.active).sum()) > 0 and int(np.asarray(stats.f_win >= 0).sum()) > 0
     # the next-token distributions agree closely, not just the argmax
     targets = np.asarray([ref.tokens[0][:8]])
     lp_ref = teacher_forced(model, [ids], targets, ref_method, kv_dtype=f32).logprobs

@@ -113,12 +113,12 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
 
     for _ in range(events):
         # resident windows' scores drift (coarse: ties are frequent), new candidates with random KV
-        fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.ledger.win)
-        led_active = np.asarray(row.ledger.active)
-        fp_score = np.where(fp_win >= 0, rng.integers(0, 6, NF), 0).astype(np.float32)
-        led_score = np.where(led_active, rng.integers(0, 6, nl), 0).astype(np.float32)
+        f_win, ledger_win = np.asarray(row.f_win), np.asarray(row.ledger.win)
+        ledger_active = np.asarray(row.ledger.active)
+        f_score = np.where(f_win >= 0, rng.integers(0, 6, NF), 0).astype(np.float32)
+        ledger_score = np.where(ledger_active, rng.integers(0, 6, nl), 0).astype(np.float32)
         row = row.replace(
-            fp_score=jnp.asarray(fp_score), ledger=row.ledger.replace(score=jnp.asarray(led_score))
+            f_score=jnp.asarray(f_score), ledger=row.ledger.replace(score=jnp.asarray(ledger_score))
         )
         n_cand = int(rng.integers(0, K + 1))
         cand_win = np.full(K, -1, np.int32)
@@ -134,14 +134,14 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
             ref_deq[w] = (np.asarray(dk.astype(dtype)), np.asarray(dv.astype(dtype)))
         next_win += n_cand
 
-        old_f = {int(w) for w in fp_win if w >= 0}
-        old_active = {int(w) for w, a in zip(led_win, led_active, strict=True) if a}
+        old_f = {int(w) for w in f_win if w >= 0}
+        old_active = {int(w) for w, a in zip(ledger_win, ledger_active, strict=True) if a}
         old_dormant = {
-            int(w): i for i, (w, a) in enumerate(zip(led_win, led_active, strict=True)) if w >= 0 and not a
+            int(w): i for i, (w, a) in enumerate(zip(ledger_win, ledger_active, strict=True)) if w >= 0 and not a
         }
-        entries = [(int(w), float(s), False) for w, s in zip(fp_win, fp_score, strict=True) if w >= 0]
+        entries = [(int(w), float(s), False) for w, s in zip(f_win, f_score, strict=True) if w >= 0]
         entries += [
-            (int(w), float(s), True) for w, s, a in zip(led_win, led_score, led_active, strict=True) if a
+            (int(w), float(s), True) for w, s, a in zip(ledger_win, ledger_score, ledger_active, strict=True) if a
         ]
         entries += [(int(w), float(s), False) for w, s in zip(cand_win, cand_score, strict=True) if w >= 0]
         want_f, want_q = reference_assignment(entries, NF, NQ, nl, promotion, frozenset(old_dormant))
@@ -153,21 +153,21 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
         if fits:
             bounded_events += 1
             chex.assert_trees_all_equal(row, bounded)
-        fp_win, led_win = np.asarray(row.fp_win), np.asarray(row.ledger.win)
-        led_active = np.asarray(row.ledger.active)
-        fp_k = np.asarray(row.fp_k.astype(jnp.float32))
-        fp_v = np.asarray(row.fp_v.astype(jnp.float32))
+        f_win, ledger_win = np.asarray(row.f_win), np.asarray(row.ledger.win)
+        ledger_active = np.asarray(row.ledger.active)
+        f_k = np.asarray(row.f_k.astype(jnp.float32))
+        f_v = np.asarray(row.f_v.astype(jnp.float32))
         ledger = [np.asarray(x) for x in jax.tree.leaves(row.ledger.codes)]
 
-        in_f = [int(w) for w in fp_win if w >= 0]
-        in_q = [int(w) for w, a in zip(led_win, led_active, strict=True) if a]
-        dormant = [int(w) for w, a in zip(led_win, led_active, strict=True) if w >= 0 and not a]
+        in_f = [int(w) for w in f_win if w >= 0]
+        in_q = [int(w) for w, a in zip(ledger_win, ledger_active, strict=True) if a]
+        dormant = [int(w) for w, a in zip(ledger_win, ledger_active, strict=True) if w >= 0 and not a]
         # capacities; no window twice in a tier; no window in two tiers except a dormant copy of an F window
         assert len(in_f) == len(set(in_f)) <= NF
         assert len(in_q) == len(set(in_q)) <= NQ
         assert len(dormant) == len(set(dormant)) and set(dormant) <= set(in_f)
         assert not set(in_f) & set(in_q)
-        assert not (led_active & (led_win < 0)).any()
+        assert not (ledger_active & (ledger_win < 0)).any()
         # tiers follow the ranking with Q capacity min(NQ, NL - dormant)
         assert set(in_f) == want_f and set(in_q) == want_q
         # a window never returns after eviction
@@ -180,7 +180,7 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
         # dormant entries stay put while their window is in F, and are reactivated in place
         for w, slot in old_dormant.items():
             if w in in_f or w in in_q:
-                assert led_win[slot] == w and bool(led_active[slot]) == (w in in_q)
+                assert ledger_win[slot] == w and bool(ledger_active[slot]) == (w in in_q)
         # a window demoted F -> Q without a dormant entry was never quantized before
         for w in (old_f & set(in_q)) - set(old_dormant):
             assert w not in ever_quantized
@@ -188,7 +188,7 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
         assert {w for w in in_f if w in ever_quantized} == set(dormant)
 
         # every ledger entry (active or dormant) holds exactly the first codes of its window
-        for slot, w in enumerate(led_win):
+        for slot, w in enumerate(ledger_win):
             if w < 0:
                 continue
             w = int(w)
@@ -207,17 +207,17 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
             )
         # F copies: a promoted window holds the dequantization of its first codes, the others their own KV
         ever_promoted |= old_active & set(in_f)
-        for slot, w in enumerate(fp_win):
+        for slot, w in enumerate(f_win):
             if w < 0:
                 continue
             want_k, want_v = ref_deq[int(w)] if w in ever_promoted else orig[int(w)]
-            assert np.array_equal(fp_k[:, slot], want_k), ("fp_k", int(w))
-            assert np.array_equal(fp_v[:, slot], want_v), ("fp_v", int(w))
+            assert np.array_equal(f_k[:, slot], want_k), ("f_k", int(w))
+            assert np.array_equal(f_v[:, slot], want_v), ("f_v", int(w))
 
         promotions += len(old_active & set(in_f))
         demotions += len(old_f & set(in_q))
         # full: every ledger slot used (with promotion), or the Q tier at its capacity NQ (without)
-        full_events += bool((led_win >= 0).all()) if promotion else len(in_q) == NQ
+        full_events += bool((ledger_win >= 0).all()) if promotion else len(in_q) == NQ
         dormant_events += bool(dormant)
 
     assert int(row.promotions) == promotions and int(row.demotions) == demotions

@@ -11,6 +11,7 @@ from tiny import decisive_model, roomy_method
 
 from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.kv import full_kv_bytes
+from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.qevict import VARIANTS
 from qevict_jax.methods.registry import available_methods, default_method, make_method
 from qevict_jax.rankings.gates import UNTRAINED
@@ -82,11 +83,11 @@ def test_every_method_on_smollm2(smol, name):
     other = {jnp.dtype(t) for t in (jnp.float32, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_)}
     if name == "full":  # 16-bit words (kv.to_words) of a bfloat16 cache
         assert res.cache.dtype == jnp.dtype(dtype) and res.cache.keys().dtype == jnp.dtype(dtype)
-    else:  # K/V in bf16; the window engine's F tier as 16-bit words of it (TieredCache.fp_kw)
+    else:  # K/V in bf16; the window engine's F tier as 16-bit words of it (TieredCache.f_k_words)
         words = {jnp.dtype(jnp.uint16)} if isinstance(res.cache, TieredCache) else set()
         assert {leaf.dtype for leaf in jax.tree.leaves(res.cache)} - other == {jnp.dtype(dtype)} | words
         if words:
-            assert res.cache.fp_k.dtype == jnp.dtype(dtype) and res.cache.fp_v.dtype == jnp.dtype(dtype)
+            assert res.cache.f_k.dtype == jnp.dtype(dtype) and res.cache.f_v.dtype == jnp.dtype(dtype)
     if getattr(method, "uses_budget", False):
         budget_tokens = bucket_floor(PROMPT) + NEW
         assert res.cache_bytes <= BETA * full_kv_bytes(cfg, budget_tokens, dtype)
@@ -117,7 +118,7 @@ def test_every_method_with_room_for_everything_equals_full_kv(name):
     rs = np.random.RandomState(0)
     prompt = list(rs.randint(0, cfg.vocab_size, 300))
     targets = rs.randint(0, cfg.vocab_size, (1, 6))
-    ref = teacher_forced(model, [prompt], targets).logprobs
+    ref = teacher_forced(model, [prompt], targets, FullKV()).logprobs
     kw = {"gates": UNTRAINED} if "gates" in default_method(name).options else {}
     got = teacher_forced(model, [prompt], targets, roomy_method(name, cfg, len(prompt) + 6, **kw)).logprobs
     np.testing.assert_allclose(got, ref, atol=1e-4)

@@ -11,6 +11,7 @@ from tiny import decisive_model, roomy_method
 
 from models.config import ModelConfig
 from models.model import Transformer
+from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.registry import (
     available_methods,
     default_method,
@@ -46,7 +47,7 @@ def test_next_turn_on_a_compressed_cache_equals_the_concatenation(model, name):
     res2 = generate(model, [turn2], SamplerConfig(max_new_tokens=6), past=res1)
     assert res2.method is method and res1.next_positions == [200 + first_new - 1]
     whole = turn1 + res1.tokens[0] + turn2
-    ref = generate(model, [whole], SamplerConfig(max_new_tokens=6), kv_dtype=F32)
+    ref = generate(model, [whole], SamplerConfig(max_new_tokens=6), FullKV(), kv_dtype=F32)
     assert res2.tokens == ref.tokens
     assert res2.next_positions == [len(whole) + 5]
 

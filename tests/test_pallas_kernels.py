@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,14 +81,14 @@ def _ledger(args: dict) -> dict:
 
 
 def _tiers(args: dict) -> dict:
-    """``fused_partials``' keyword arguments from the flat arrays (local_pos -1 = empty)."""
+    """``fused_partials``' keyword arguments from the flat arrays (ring_pos -1 = empty)."""
     led = _ledger(args)
     return dict(
         q=args["q"],
         sink=DenseTier(args["sink_k"], args["sink_v"], args["sink_valid"]),
-        f=DenseTier(args["fp_k"], args["fp_v"], args["fp_valid"]),
+        f=DenseTier(args["f_k"], args["f_v"], args["f_valid"]),
         ledger=led["tier"],
-        ring=DenseTier(args["local_k"], args["local_v"], args["local_pos"] >= 0),
+        ring=DenseTier(args["ring_k"], args["ring_v"], args["ring_pos"] >= 0),
         inv_freq=args["inv_freq"],
     )
 
@@ -332,33 +333,33 @@ def _fused_inputs(rng, b, hkv, g, d, w, bits, nf, nl, nr, dtype):
         sink_k=normal(b, hkv, SINK, d),
         sink_v=normal(b, hkv, SINK, d),
         sink_valid=np.ones((b, SINK), bool),
-        fp_k=normal(b, hkv, nf, w, d),
-        fp_v=normal(b, hkv, nf, w, d),
-        fp_valid=rng.random((b, nf)) < 0.6,
-        local_k=normal(b, hkv, nr, d),
-        local_v=normal(b, hkv, nr, d),
-        local_pos=np.where(rng.random((b, nr)) < 0.8, 4000 + np.arange(nr), -1).astype(np.int32),
+        f_k=normal(b, hkv, nf, w, d),
+        f_v=normal(b, hkv, nf, w, d),
+        f_valid=rng.random((b, nf)) < 0.6,
+        ring_k=normal(b, hkv, nr, d),
+        ring_v=normal(b, hkv, nr, d),
+        ring_pos=np.where(rng.random((b, nr)) < 0.8, 4000 + np.arange(nr), -1).astype(np.int32),
     )
     # the last row has nothing valid in any tier
-    for name in ("sink_valid", "fp_valid", "slot_valid"):
+    for name in ("sink_valid", "f_valid", "slot_valid"):
         a[name][b - 1] = False
-    a["local_pos"][b - 1] = -1
+    a["ring_pos"][b - 1] = -1
     args = _to_jnp(a)
-    for name in ("q", "sink_k", "sink_v", "fp_k", "fp_v", "local_k", "local_v"):
+    for name in ("q", "sink_k", "sink_v", "f_k", "f_v", "ring_k", "ring_v"):
         args[name] = args[name].astype(dtype)
     return a, args
 
 
 def _np_fused(args: dict, a: dict, w: int, bits: int):
-    """float64 attention over all tiers: (out [B, Hkv, G, D], masses per sink, F, Q, local)."""
+    """float64 attention over all tiers: (out [B, Hkv, G, D], masses per sink, F, Q, ring)."""
     as64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
     q = as64(args["q"])
     lk, lv = _np_ledger_kv(a, w, bits)
     tiers = [
         (as64(args["sink_k"])[:, :, :, None], as64(args["sink_v"])[:, :, :, None], a["sink_valid"]),
-        (as64(args["fp_k"]), as64(args["fp_v"]), a["fp_valid"]),
+        (as64(args["f_k"]), as64(args["f_v"]), a["f_valid"]),
         (lk, lv, a["slot_valid"]),
-        (as64(args["local_k"])[:, :, :, None], as64(args["local_v"])[:, :, :, None], a["local_pos"] >= 0),
+        (as64(args["ring_k"])[:, :, :, None], as64(args["ring_v"])[:, :, :, None], a["ring_pos"] >= 0),
     ]
     parts = [_np_partial(q, k, v, valid) for k, v, valid in tiers]
     big_m = np.max([p[1] for p in parts], axis=0)
@@ -381,7 +382,7 @@ def test_fused_attention_matches_reference_and_float64(d, g, w, bits, nf, nl, nr
     want = merge_tiers(tier_partials(**_tiers(args), window=w, fmt=ChannelKeys(bits)))
     np_out, np_masses = _np_fused(args, a, w, bits)
     tol = TOL[dtype]
-    names = ("sink_mass", "fp_mass", "q_mass", "local_mass")
+    names = ("sink_mass", "f_mass", "q_mass", "ring_mass")
     _assert_close(got.out, want.out, tol, "out")
     _assert_close(got.out, np_out, tol, "out vs float64")
     for i, name in enumerate(names):
@@ -414,3 +415,30 @@ def test_kernels_lower_to_triton_for_cuda():
 
     text = jax.jit(fn).trace(**_abstract(_tiers(args))).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 4  # sink, F, Q, ring
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the references, jitted and not
+
+
+class ReferencesJittedAndNot(chex.TestCase):
+    """The jnp references the kernels are held to are themselves right: jitted and un-jitted, the ledger
+    and slot partials equal the float64 computation from the dequantized codes."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_ledger_and_slot_partials_match_float64(self):
+        d, g, w, bits, nl = 64, 2, 8, 2, 9
+        a = _ledger_inputs(np.random.default_rng(5), 2, 2, g, d, nl, w, bits, np.float32, masked_row=True)
+        ledger = self.variant(functools.partial(ledger_partial, window=w, fmt=ChannelKeys(bits)))
+        got = ledger(**_ledger(_to_jnp(a)))
+        k, v = _np_ledger_kv(a, w, bits)
+        want = _np_partial(a["q"], k, v, a["slot_valid"])
+        chex.assert_shape(got.mass, (2, 2, g, nl))
+        chex.assert_trees_all_close(
+            tuple(np.asarray(x, np.float64) for x in got), tuple(want), rtol=2e-5, atol=1e-5
+        )
+        tier = DenseTier(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), jnp.asarray(a["slot_valid"]))
+        dense = self.variant(slot_partial)(jnp.asarray(a["q"]), tier)
+        chex.assert_trees_all_close(
+            tuple(np.asarray(x, np.float64) for x in dense), tuple(want), rtol=2e-5, atol=1e-5
+        )

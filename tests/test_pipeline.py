@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import qevict_jax
-from qevict_jax.core.kv import FullKV
+from qevict_jax.methods.full import FullKV
 from qevict_jax.pipeline import parse_method_spec, resolve_method
 from qevict_jax.runtime.generate import generate
 
@@ -71,6 +71,6 @@ def test_a_conversation_appends_each_turn_as_the_template_renders_the_transcript
     assert second.result.next_positions[0] == held + second.prompt_tokens + len(second.result.tokens[0]) - 1
     transcript = chat.messages[:-1]  # up to the second question
     rendered = tok.encode(tok.apply_chat_template(transcript, add_generation_prompt=True))
-    whole = generate(pipe.model, [rendered], pipe.sampler(12))
+    whole = generate(pipe.model, [rendered], pipe.sampler(12), FullKV())
     assert held + second.prompt_tokens == len(rendered)
     assert second.result.tokens == whole.tokens

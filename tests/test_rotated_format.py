@@ -33,7 +33,7 @@ from pallas_kernels.reference import QuantTier, ledger_partial
 from pallas_kernels.splitk import Launch
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
-from qevict_jax.core.kv import FullKV
+from qevict_jax.methods.full import FullKV
 from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.sampling import SamplerConfig
 

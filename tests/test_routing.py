@@ -73,11 +73,11 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
     nf, nl, nq, k = shape
     plan_fn = jitted_plan(nq, promotion, spill)
     rng = np.random.default_rng(seed)
-    fp_win = np.full(nf, -1, np.int32)
-    fp_score = np.zeros(nf, np.float32)
-    led_win = np.full(nl, -1, np.int32)
-    led_active = np.zeros(nl, bool)
-    led_score = np.zeros(nl, np.float32)
+    f_win = np.full(nf, -1, np.int32)
+    f_score = np.zeros(nf, np.float32)
+    ledger_win = np.full(nl, -1, np.int32)
+    ledger_active = np.zeros(nl, bool)
+    ledger_score = np.zeros(nl, np.float32)
     evicted: set[int] = set()
     quantized: set[int] = set()  # windows that ever had a ledger entry
     next_win = 0
@@ -88,45 +88,45 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         next_win += n_cand
         # ties are frequent on purpose (coarse scores), and scores of resident windows drift randomly
         cand_score = rng.integers(0, 4, k).astype(np.float32)
-        fp_score = np.where(fp_win >= 0, rng.integers(0, 4, nf), 0).astype(np.float32)
-        led_score = np.where(led_active, rng.integers(0, 4, nl), 0).astype(np.float32)
-        entries = [(int(w), float(s), False) for w, s in zip(fp_win, fp_score, strict=True) if w >= 0]
+        f_score = np.where(f_win >= 0, rng.integers(0, 4, nf), 0).astype(np.float32)
+        ledger_score = np.where(ledger_active, rng.integers(0, 4, nl), 0).astype(np.float32)
+        entries = [(int(w), float(s), False) for w, s in zip(f_win, f_score, strict=True) if w >= 0]
         entries += [
-            (int(w), float(s), True) for w, s, a in zip(led_win, led_score, led_active, strict=True) if a
+            (int(w), float(s), True) for w, s, a in zip(ledger_win, ledger_score, ledger_active, strict=True) if a
         ]
         entries += [(int(w), float(s), False) for w, s in zip(cand_win, cand_score, strict=True) if w >= 0]
-        was_q = {int(w) for w, a in zip(led_win, led_active, strict=True) if a}
+        was_q = {int(w) for w, a in zip(ledger_win, ledger_active, strict=True) if a}
         old_dormant = {
-            int(w): i for i, (w, a) in enumerate(zip(led_win, led_active, strict=True)) if w >= 0 and not a
+            int(w): i for i, (w, a) in enumerate(zip(ledger_win, ledger_active, strict=True)) if w >= 0 and not a
         }
-        old_led_win = led_win.copy()
-        old_f = {int(w) for w in fp_win if w >= 0}
+        old_led_win = ledger_win.copy()
+        old_f = {int(w) for w in f_win if w >= 0}
         want_f, want_q = reference_assignment(entries, nf, nq, nl, promotion, frozenset(old_dormant), spill)
         own = {w: sc for w, sc, _ in entries}
 
         plan = jax.tree.map(
-            np.asarray, plan_fn(fp_win, fp_score, led_win, led_active, led_score, cand_win, cand_score)
+            np.asarray, plan_fn(f_win, f_score, ledger_win, ledger_active, ledger_score, cand_win, cand_score)
         )
-        fp_win, fp_score, led_win, led_active, led_score = (
-            plan.fp_win,
-            plan.fp_score,
-            plan.led_win,
-            plan.led_active,
-            plan.led_score,
+        f_win, f_score, ledger_win, ledger_active, ledger_score = (
+            plan.f_win,
+            plan.f_score,
+            plan.ledger_win,
+            plan.ledger_active,
+            plan.ledger_score,
         )
-        in_f = {int(w) for w in fp_win if w >= 0}
-        in_q = {int(w) for w, a in zip(led_win, led_active, strict=True) if a}
-        dormant = [int(w) for w, a in zip(led_win, led_active, strict=True) if w >= 0 and not a]
+        in_f = {int(w) for w in f_win if w >= 0}
+        in_q = {int(w) for w, a in zip(ledger_win, ledger_active, strict=True) if a}
+        dormant = [int(w) for w, a in zip(ledger_win, ledger_active, strict=True) if w >= 0 and not a]
         # capacities, no duplicates
-        assert len(in_f) == int((fp_win >= 0).sum()) <= nf
-        assert len(in_q) == int(led_active.sum()) <= nq
+        assert len(in_f) == int((f_win >= 0).sum()) <= nf
+        assert len(in_q) == int(ledger_active.sum()) <= nq
         assert len(set(dormant)) == len(dormant) and set(dormant) <= in_f  # dormant = copies of F windows
-        assert not (led_active & (led_win < 0)).any()
+        assert not (ledger_active & (ledger_win < 0)).any()
         # top NF ranked windows in F, next min(NQ, NL - dormant) in Q, the rest evicted; the scores they
         # keep are their own (the spilled key only ranks)
         assert in_f == want_f and in_q == want_q
-        assert all(fp_score[i] == own[int(w)] for i, w in enumerate(fp_win) if w >= 0)
-        assert all(led_score[i] == own[int(w)] for i, w in enumerate(led_win) if led_active[i])
+        assert all(f_score[i] == own[int(w)] for i, w in enumerate(f_win) if w >= 0)
+        assert all(ledger_score[i] == own[int(w)] for i, w in enumerate(ledger_win) if ledger_active[i])
         evicted |= {w for w, _, _ in entries} - in_f - in_q
         # every window ever created is in exactly one state
         assert not (in_f & in_q) and not (in_f & evicted) and not (in_q & evicted)
@@ -137,11 +137,11 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         # window is demoted (its first codes), and is freed with it when it is evicted
         for w, slot in old_dormant.items():
             if w in in_f:
-                assert led_win[slot] == w and not led_active[slot]
+                assert ledger_win[slot] == w and not ledger_active[slot]
             elif w in in_q:
-                assert led_win[slot] == w and led_active[slot]
+                assert ledger_win[slot] == w and ledger_active[slot]
             else:
-                assert w not in led_win
+                assert w not in ledger_win
         # every quantized window in F keeps its codes (a dormant entry); so a window demoted F -> Q without
         # one was never quantized before
         assert {w for w in in_f if w in quantized} == set(dormant)
@@ -151,7 +151,7 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         # new ledger entries never displace an active entry: every active window kept its slot
         for i, w in enumerate(old_led_win):
             if w >= 0 and w in was_q and w in in_q:
-                assert led_win[i] == w
+                assert ledger_win[i] == w
         # counters
         assert int(plan.promotions) == len(was_q & in_f)
         assert int(plan.evictions) == len({w for w, _, _ in entries} - in_f - in_q)
@@ -184,10 +184,10 @@ def test_full_ledger_evicts_the_lowest_q_window_instead_of_reclaiming_a_dormant_
         led=[(10, False, 0.0), (11, False, 0.0), (20, True, 3.0)],
         cand=[(30, 4.0)],
     )
-    assert plan.fp_win == [10, 11] and plan.fp_score == [9.0, 8.0]
-    assert plan.led_win == [10, 11, 30] and plan.led_active == [False, False, True]
-    assert plan.led_score == [0.0, 0.0, 4.0]
-    assert plan.c2q_target == [2] and plan.c2f_target == [2] and plan.f2q_target == [3, 3]
+    assert plan.f_win == [10, 11] and plan.f_score == [9.0, 8.0]
+    assert plan.ledger_win == [10, 11, 30] and plan.ledger_active == [False, False, True]
+    assert plan.ledger_score == [0.0, 0.0, 4.0]
+    assert plan.admit_q_slot == [2] and plan.admit_f_slot == [2] and plan.demote_slot == [3, 3]
     assert (plan.promotions, plan.demotions, plan.evictions) == (0, 0, 1)
 
 
@@ -203,10 +203,10 @@ def test_a_promotion_in_the_event_shrinks_q_and_keeps_every_dormant_entry():
         led=[(11, False, 0.0), (20, True, 8.0), (21, True, 5.0)],
         cand=[(30, 6.0)],
     )
-    assert plan.fp_win == [11, 20] and plan.fp_score == [9.0, 8.0]
-    assert plan.q2f_target == [2, 1, 2]
-    assert plan.led_win == [11, 20, 30] and plan.led_active == [False, False, True]
-    assert plan.c2q_target == [2] and plan.c2f_target == [2]
+    assert plan.f_win == [11, 20] and plan.f_score == [9.0, 8.0]
+    assert plan.promote_slot == [2, 1, 2]
+    assert plan.ledger_win == [11, 20, 30] and plan.ledger_active == [False, False, True]
+    assert plan.admit_q_slot == [2] and plan.admit_f_slot == [2]
     assert (plan.promotions, plan.demotions, plan.evictions) == (1, 0, 2)
 
 
@@ -222,15 +222,15 @@ def test_a_window_evicted_from_f_frees_its_dormant_entry_for_a_newcomer():
         led=[(20, True, 9.0), (-1, False, 0.0), (10, False, 0.0)],
         cand=[(30, 8.0), (31, 7.0)],
     )
-    assert plan.fp_win == [20, 30] and plan.q2f_target == [0, 2, 2] and plan.c2f_target == [1, 2]
-    assert plan.led_win == [20, 11, 31] and plan.led_active == [False, True, True]
-    assert plan.f2q_target == [3, 1] and plan.c2q_target == [3, 2]
+    assert plan.f_win == [20, 30] and plan.promote_slot == [0, 2, 2] and plan.admit_f_slot == [1, 2]
+    assert plan.ledger_win == [20, 11, 31] and plan.ledger_active == [False, True, True]
+    assert plan.demote_slot == [3, 1] and plan.admit_q_slot == [3, 2]
     assert (plan.promotions, plan.demotions, plan.evictions) == (1, 1, 1)
 
 
 def test_a_demotion_reactivates_its_dormant_entry_in_place():
     # as above but window 10 scores 6: ranking 20, 30, 31, 10, 11. F = {20, 30}, Q = {31, 10} (capacity
-    # min(3, 3 - 1) = 2); 10 reactivates slot 2 (no data moves: f2q_target none), 31 takes the free slot 1,
+    # min(3, 3 - 1) = 2); 10 reactivates slot 2 (no data moves: demote_slot none), 31 takes the free slot 1,
     # 11 (never quantized) is evicted.
     plan = run_plan(
         3,
@@ -239,10 +239,10 @@ def test_a_demotion_reactivates_its_dormant_entry_in_place():
         led=[(20, True, 9.0), (-1, False, 0.0), (10, False, 0.0)],
         cand=[(30, 8.0), (31, 7.0)],
     )
-    assert plan.fp_win == [20, 30]
-    assert plan.led_win == [20, 31, 10] and plan.led_active == [False, True, True]
-    assert plan.led_score == [0.0, 7.0, 6.0]
-    assert plan.f2q_target == [3, 3] and plan.c2q_target == [3, 1]
+    assert plan.f_win == [20, 30]
+    assert plan.ledger_win == [20, 31, 10] and plan.ledger_active == [False, True, True]
+    assert plan.ledger_score == [0.0, 7.0, 6.0]
+    assert plan.demote_slot == [3, 3] and plan.admit_q_slot == [3, 1]
     assert (plan.promotions, plan.demotions, plan.evictions) == (1, 1, 1)
 
 
@@ -257,9 +257,9 @@ def test_without_promotion_the_q_capacity_is_nq():
         led=[(20, True, 9.0), (21, True, 3.0), (-1, False, 0.0)],
         cand=[(30, 5.0)],
     )
-    assert plan.fp_win == [30] and plan.c2f_target == [0] and plan.q2f_target == [1, 1, 1]
-    assert plan.led_win == [20, 10, -1] and plan.led_active == [True, True, False]
-    assert plan.f2q_target == [1] and plan.c2q_target == [3]
+    assert plan.f_win == [30] and plan.admit_f_slot == [0] and plan.promote_slot == [1, 1, 1]
+    assert plan.ledger_win == [20, 10, -1] and plan.ledger_active == [True, True, False]
+    assert plan.demote_slot == [1] and plan.admit_q_slot == [3]
     assert (plan.promotions, plan.demotions, plan.evictions) == (0, 1, 1)
 
 
@@ -290,9 +290,9 @@ def two_window_row(seed: int):
     v = jnp.asarray(rng.standard_normal((MODEL.num_kv_heads, CAPS.ring, MODEL.head_dim)), jnp.float32)
     length = CAPS.sink + 2 * W
     return cache.replace(
-        local_k=k[None],
-        local_v=v[None],
-        loc_score=jnp.asarray([[2.0, 1.0]]),
+        ring_k=k[None],
+        ring_v=v[None],
+        ring_score=jnp.asarray([[2.0, 1.0]]),
         length=jnp.asarray([length], jnp.int32),
     )
 
@@ -314,7 +314,7 @@ def slot_of(win_arr, w):
 
 def set_scores(cache, f_score: float, q_score: float):
     return cache.replace(
-        fp_score=jnp.full_like(cache.fp_score, f_score),
+        f_score=jnp.full_like(cache.f_score, f_score),
         ledger=cache.ledger.replace(score=jnp.full_like(cache.ledger.score, q_score)),
     )
 
@@ -323,11 +323,11 @@ def set_scores(cache, f_score: float, q_score: float):
 def test_promote_demote_cycles_are_bit_exact_and_never_drift(seed):
     route = jitted_route(True)
     cache = two_window_row(seed)
-    ring_k = np.asarray(cache.local_k[0])
+    ring_k = np.asarray(cache.ring_k[0])
     cache = route(cache)  # window 0 (score 2) -> F, window 1 (score 1) -> Q
-    assert int(cache.next_win[0]) == 2 and int(cache.fp_win[0, 0]) == 0
+    assert int(cache.next_win[0]) == 2 and int(cache.f_win[0, 0]) == 0
     # candidate -> F is a copy; positions are never renumbered: F holds window 0's own tokens
-    np.testing.assert_array_equal(np.asarray(cache.fp_k[0, :, 0]), ring_k[:, 0:W])
+    np.testing.assert_array_equal(np.asarray(cache.f_k[0, :, 0]), ring_k[:, 0:W])
     l1 = slot_of(cache.ledger.win[0], 1)
     codes_of = lambda c: {n: np.asarray(getattr(c.ledger.codes, n)[0, :, l1]) for n in CODE_NAMES}
     first_codes = codes_of(cache)
@@ -336,13 +336,13 @@ def test_promote_demote_cycles_are_bit_exact_and_never_drift(seed):
     for _ in range(4):
         # window 1 rises: promoted (dequantized into F, ledger entry dormant); window 0 demoted
         cache = route(set_scores(cache, 0.0, 5.0))
-        assert int(cache.fp_win[0, 0]) == 1 and int(cache.promotions[0]) >= 1
+        assert int(cache.f_win[0, 0]) == 1 and int(cache.promotions[0]) >= 1
         l1_now = slot_of(cache.ledger.win[0], 1)
         assert l1_now == l1 and not bool(cache.ledger.active[0, l1])  # dormant, same slot
-        f_copies.append(np.asarray(cache.fp_k[0, :, 0]))
+        f_copies.append(np.asarray(cache.f_k[0, :, 0]))
         # window 1 falls: demoted again, reactivating the dormant entry (bit for bit)
         cache = route(set_scores(cache, 0.0, 5.0))
-        assert int(cache.fp_win[0, 0]) == 0
+        assert int(cache.f_win[0, 0]) == 0
         assert bool(cache.ledger.active[0, l1]) and int(cache.ledger.win[0, l1]) == 1
         for name, codes in codes_of(cache).items():
             np.testing.assert_array_equal(codes, first_codes[name])
@@ -359,7 +359,7 @@ def test_without_promotion_q_never_returns_to_f():
     cache = route(two_window_row(3))
     for _ in range(3):
         cache = route(set_scores(cache, 0.0, 100.0))
-        assert int(cache.fp_win[0, 0]) == 0  # the Q window's score is higher, but it stays in Q
+        assert int(cache.f_win[0, 0]) == 0  # the Q window's score is higher, but it stays in Q
         assert int(cache.ledger.win[0, slot_of(cache.ledger.win[0], 1)]) == 1
     assert int(cache.promotions[0]) == 0
 
@@ -390,10 +390,10 @@ def promoting_cache(promotions: list[int]) -> object:
         q_score[0, row, :12] = [5.0] * p + [0.5] * (12 - p)
     wins = np.arange(BIG.nl)
     return cache.replace(
-        fp_kw=rand(cache.fp_kw, -2, 2),
-        fp_vw=rand(cache.fp_vw, -2, 2),
-        fp_win=jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (1, b, 12)),
-        fp_score=jnp.ones((1, b, 12), jnp.float32),
+        f_k_words=rand(cache.f_k_words, -2, 2),
+        f_v_words=rand(cache.f_v_words, -2, 2),
+        f_win=jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (1, b, 12)),
+        f_score=jnp.ones((1, b, 12), jnp.float32),
         ledger=cache.ledger.replace(
             codes=codes,
             win=jnp.asarray(np.broadcast_to(np.where(wins < 12, wins + 12, -1), (1, b, BIG.nl)), jnp.int32),
@@ -441,13 +441,13 @@ def test_one_trace_per_shape_of_the_plan():
 
     rng = np.random.default_rng(0)
     for event in range(4):  # different ids, scores and activity: the same program
-        fp_win = np.where(rng.random(nf) < 0.7, rng.permutation(NUM_WINDOWS)[:nf], -1).astype(np.int32)
-        led_win = np.where(rng.random(nl) < 0.5, NUM_WINDOWS - 1 - np.arange(nl), -1).astype(np.int32)
+        f_win = np.where(rng.random(nf) < 0.7, rng.permutation(NUM_WINDOWS)[:nf], -1).astype(np.int32)
+        ledger_win = np.where(rng.random(nl) < 0.5, NUM_WINDOWS - 1 - np.arange(nl), -1).astype(np.int32)
         out = plan(
-            fp_win, rng.random(nf).astype(np.float32), led_win, led_win >= 0, rng.random(nl).astype(np.float32),
+            f_win, rng.random(nf).astype(np.float32), ledger_win, ledger_win >= 0, rng.random(nl).astype(np.float32),
             np.array([event, -1], np.int32), rng.random(k).astype(np.float32),
         )  # fmt: skip
-        chex.assert_shape((out.fp_win, out.led_win, out.led_active), [(nf,), (nl,), (nl,)])
+        chex.assert_shape((out.f_win, out.ledger_win, out.ledger_active), [(nf,), (nl,), (nl,)])
     with pytest.raises(AssertionError, match="traced > 1"):
         plan(*(np.zeros(n, dt) for n, dt in [(nf + 1, np.int32), (nf + 1, np.float32), (nl, np.int32),
                                               (nl, bool), (nl, np.float32), (k, np.int32), (k, np.float32)]))  # fmt: skip

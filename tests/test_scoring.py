@@ -3,6 +3,7 @@ ranking interface both engines share."""
 
 from __future__ import annotations
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -219,3 +220,24 @@ def test_spilled_key_is_the_max_over_the_windows_present_before(spill):
                 want[i] = score[near].max()
         got = windows.spilled_key(jnp.asarray(win), jnp.asarray(score), jnp.asarray(valid), spill, nw)
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+class WindowScoresJittedAndNot(chex.TestCase):
+    """The rankings' core reductions give the same result jitted and un-jitted, against float64 references."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_window_sums_and_observation_scores_match_float64(self):
+        x = np.random.RandomState(3).rand(B, T)
+        sums = self.variant(lambda a: window_sums(a, sink=S, window=W, num_windows=NW))(jnp.asarray(x, jnp.float32))
+        chex.assert_shape(sums, (B, NW))
+        chex.assert_trees_all_close(np.asarray(sums, np.float64), np_windows(x), rtol=1e-5)
+        q, k = _inputs(2)
+        ranking = make_ranking("cumulative", n_obs=16, max_pool_width=0)
+
+        def scores(q, k):
+            prompt = PromptPass(q, k, None, jnp.asarray(LENGTHS, jnp.int32), jnp.zeros((B, HKV, H // HKV, T)))
+            return ranking.prefill_window_scores(prompt, sink=S, window=W, num_windows=NW)
+
+        got = self.variant(scores)(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32))
+        want = np.stack([np_windows(np_observation_rows(q[b], k[b], int(LENGTHS[b]), 16, 0).sum(0)) for b in range(B)])
+        chex.assert_trees_all_close(np.asarray(got, np.float64), want, rtol=2e-5, atol=1e-7)

@@ -86,7 +86,7 @@ def test_deferred_head_mean_on_a_mesh_equals_one_device_and_the_per_step_mean(sh
         assert one[key] == per_step[key], key
     assert per_step["memory_ratio"] < one["memory_ratio"] < per_step["memory_ratio"] * 1.05
     pending = [k for k in many["leaves"] if k.endswith("_pending")]
-    assert sorted(pending) == [".fp_pending", ".loc_pending", ".q_pending"]
+    assert sorted(pending) == [".f_pending", ".q_pending", ".ring_pending"]
     for k in pending:  # split over the batch and the KV heads, like the tiers
         assert many["leaves"][k]["spec"][:3] == [None, "data", "model"], k
 
@@ -278,7 +278,7 @@ def test_qevict_collective_bytes_against_full_kv(sharded, mesh):
     QEvict at β = 0.2 (CPU kernel, and Pallas kernels on 2 x 4) moves no more bytes through collectives
     than Full-KV, plus, where the KV heads are split ("model" > 1), the head-mean attention mass of each
     scored cache entry: one f32 per F slot, ledger slot and ring window per row and layer (the bytes of
-    the score leaves fp_score, ledger.score, loc_score one device holds), which its scores need every step
+    the score leaves f_score, ledger.score, ring_score one device holds), which its scores need every step
     and Full-KV has none of. The tier buffers never move. Over "data" alone (2 x 1) QEvict moves less."""
     data, model_axis = map(int, mesh.split("x"))
     full = sharded["programs"][f"full/{mesh}"]["collective_bytes"]
@@ -288,7 +288,7 @@ def test_qevict_collective_bytes_against_full_kv(sharded, mesh):
             continue
         leaves = prog["leaves"]
         scores = sum(
-            int(np.prod(leaves[k]["shape"])) * 4 // data for k in (".fp_score", ".ledger.score", ".loc_score")
+            int(np.prod(leaves[k]["shape"])) * 4 // data for k in (".f_score", ".ledger.score", ".ring_score")
         )
         extra = scores if model_axis > 1 else 0
         for step in ("step", "routing_step"):
@@ -302,7 +302,7 @@ def test_qevict_collective_bytes_against_full_kv(sharded, mesh):
     # fold of the running masses into the scores
     deferred = sharded["programs"][f"qevict-0.2-deferred/{mesh}"]
     leaves = deferred["leaves"]
-    scores = sum(int(np.prod(leaves[k]["shape"])) * 4 // data for k in (".fp_score", ".ledger.score", ".loc_score"))
+    scores = sum(int(np.prod(leaves[k]["shape"])) * 4 // data for k in (".f_score", ".ledger.score", ".ring_score"))
     assert deferred["collective_bytes"]["step"] <= full["step"], (deferred["collective_bytes"], full)
     assert deferred["collective_bytes"]["routing_step"] <= full["step"] + (scores if model_axis > 1 else 0)
     assert deferred["all_gather_types"] == []

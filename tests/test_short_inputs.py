@@ -11,7 +11,7 @@ from flax import nnx
 from tiny import tiny_llama
 
 from models.model import Transformer
-from qevict_jax.core.kv import FullKV
+from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.registry import make_method
 from qevict_jax.runtime.compiled import EXECUTABLES, bucket_length
 from qevict_jax.runtime.generate import generate, lower_prefill
@@ -38,7 +38,7 @@ def test_a_prompt_inside_the_uncompressed_regions_is_kept_whole(model, name):
     prompt = _prompt(20)
     method = make_method(name, 0.2)
     res = generate(model, [prompt], SAMPLER, method)
-    ref = generate(model, [prompt], SAMPLER)
+    ref = generate(model, [prompt], SAMPLER, FullKV())
     assert res.compressed is False and ref.compressed is False
     assert isinstance(res.method, FullKV) and res.requested_method == method
     assert res.tokens == ref.tokens and res.cache_bytes == ref.cache_bytes

@@ -13,6 +13,7 @@ from tiny import decisive_model, tiny_llama
 
 from models.model import Transformer
 from qevict_jax.cli import build_parser, cmd_generate
+from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.registry import make_method
 from qevict_jax.runtime.compiled import EXECUTABLES
 from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared
@@ -78,14 +79,14 @@ def test_streaming_a_continued_turn(model):
 def test_one_compilation_serves_every_stream_and_off_has_no_callback(model):
     prompts = _prompts(np.random.default_rng(2), [200])
     sampler = SamplerConfig(max_new_tokens=9)
-    generate(model, prompts, sampler)
+    generate(model, prompts, sampler, FullKV())
     off = EXECUTABLES.latest("_decode").as_text()
-    generate(model, prompts, sampler, on_token=Recorder(1))
+    generate(model, prompts, sampler, FullKV(), on_token=Recorder(1))
     on = EXECUTABLES.latest("_decode").as_text()
     before = EXECUTABLES.compilations["_decode"]
     recs = [Recorder(1), Recorder(1)]
     for rec in recs:
-        generate(model, prompts, sampler, on_token=rec)
+        generate(model, prompts, sampler, FullKV(), on_token=rec)
     assert EXECUTABLES.compilations["_decode"] == before  # a new sink is not a new executable
     assert recs[0].rows == recs[1].rows and recs[0].calls == 9
     host_call = re.compile(r'custom_call_target="[^"]*callback[^"]*"')  # e.g. xla_ffi_python_cpu_callback

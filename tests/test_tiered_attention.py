@@ -20,8 +20,9 @@ from pallas_kernels.quant import ChannelKeys, QuantizedWindows
 from pallas_kernels.reference import QuantTier, ledger_partial
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
-from qevict_jax.core.kv import CacheRequest, FullKV
+from qevict_jax.core.kv import CacheRequest
 from qevict_jax.engines.window import decode_layer, prefill_layer, tier_attention
+from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.registry import cache_stats, make_method
 from qevict_jax.rankings.scoring import Ranking
 
@@ -89,7 +90,7 @@ def test_everything_in_f_matches_full_kv():
     out, cache = run_model(model, method, tokens, lengths, p_cap, steps, 37 + steps)
     stats = cache_stats(cache)
     assert stats["routing_events"] == [3, 3] and stats["evictions"] == [0, 0]
-    assert (np.asarray(cache.fp_win) >= 0).sum() > 0  # windows really live in F
+    assert (np.asarray(cache.f_win) >= 0).sum() > 0  # windows really live in F
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
 
 
@@ -191,7 +192,7 @@ def test_tier_masses_sum_to_one(caps):
     q, k, v = layer_inputs(7, T)
     q1, k1, v1 = layer_inputs(8, 1)
     _, _, cache1, att = jitted_layer(caps)(q, k, v, jnp.asarray(LENGTHS), q1, k1, v1)
-    masses = (att.sink_mass, att.fp_mass, att.q_mass, att.local_mass)
+    masses = (att.sink_mass, att.f_mass, att.q_mass, att.ring_mass)
     total = sum(np.asarray(m).sum(-1) for m in masses)
     assert total.shape == (2,)
     np.testing.assert_allclose(total, 1.0, atol=1e-5)
@@ -201,10 +202,10 @@ def test_tier_masses_sum_to_one(caps):
             vals = np.concatenate([v[b, :n], v1[b]], 0).swapaxes(0, 1).astype(np.float64)
             qb = q1[b, 0].reshape(MODEL.num_kv_heads, -1, MODEL.head_dim).astype(np.float64)
             _, probs = np_softmax_attend(qb, keys, vals)
-            for slot, w in enumerate(np.asarray(cache1.fp_win[b])):
+            for slot, w in enumerate(np.asarray(cache1.f_win[b])):
                 if w >= 0:
                     want = probs[:, :, S + w * W : S + (w + 1) * W].sum(-1).mean()
-                    np.testing.assert_allclose(np.asarray(att.fp_mass[b, slot]), want, atol=1e-6)
+                    np.testing.assert_allclose(np.asarray(att.f_mass[b, slot]), want, atol=1e-6)
 
 
 def test_ledger_reference_matches_float64():
@@ -293,10 +294,10 @@ def test_prefill_placement_ranks_the_next_windows_with_their_start(spill, nf, wa
     ranking = GivenScores(scores=given, spill=spill)
     cache, _ = prefill_one_layer(caps, ranking, seed=3)
     for b in range(2):
-        fp_win = np.asarray(cache.fp_win[b])
-        held = fp_win >= 0
-        assert set(fp_win[held].tolist()) == want[b]
-        np.testing.assert_array_equal(np.asarray(cache.fp_score[b])[held], np.asarray(given, np.float32)[fp_win[held]])
+        f_win = np.asarray(cache.f_win[b])
+        held = f_win >= 0
+        assert set(f_win[held].tolist()) == want[b]
+        np.testing.assert_array_equal(np.asarray(cache.f_score[b])[held], np.asarray(given, np.float32)[f_win[held]])
 
 
 def test_qevict_keynorm_places_the_lowest_key_norm_windows_in_f_then_q():
@@ -314,7 +315,7 @@ def test_qevict_keynorm_places_the_lowest_key_norm_windows_in_f_then_q():
         routed = (int(LENGTHS[b]) - R - S) // W  # windows that left the recent region
         win_norm = [norms[b, S + w * W : S + (w + 1) * W].mean() for w in range(routed)]
         order = [int(w) for w in np.argsort(win_norm, kind="stable")]
-        fp_win = np.asarray(cache.fp_win[b])
+        f_win = np.asarray(cache.f_win[b])
         active = np.asarray(cache.ledger.active[b])
-        assert set(fp_win[fp_win >= 0].tolist()) == set(order[:nf])
+        assert set(f_win[f_win >= 0].tolist()) == set(order[:nf])
         assert set(np.asarray(cache.ledger.win[b])[active].tolist()) == set(order[nf : nf + nq])

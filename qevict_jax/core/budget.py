@@ -8,7 +8,9 @@ allocated cache cannot disagree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -151,6 +153,19 @@ class BudgetTooSmallError(ValueError):
         return math.ceil(self.min_bytes / self.full_bytes * 1e4) / 1e4
 
 
+def _fixed_and_unit_bytes(
+    caps: Callable[[int], Capacities], *, unit: int, bytes_of: Callable[[Capacities], int], budget: int, full: int,
+    holds: str,
+) -> tuple[int, int]:  # fmt: skip
+    """(bytes of ``caps(0)``, bytes one more ``unit`` adds) of a cache whose size is linear in its one free
+    capacity; ``BudgetTooSmallError`` (naming what the smallest cache ``holds``) when not even one unit fits."""
+    fixed = bytes_of(caps(0))
+    per = bytes_of(caps(unit)) - fixed
+    if fixed + per > budget:
+        raise BudgetTooSmallError(budget_bytes=budget, min_bytes=fixed + per, full_bytes=full, holds=holds)
+    return fixed, per
+
+
 def solve_local_capacities(
     cache_cfg: CacheConfig, model_cfg: ModelConfig, batch: int, budget_tokens: int, dtype: Any
 ) -> Capacities:
@@ -167,17 +182,12 @@ def solve_local_capacities(
         ring = ring_capacity(r, w, cache_cfg.omega)
         return sized(cache_cfg, recent=r, ring=ring, quant=cache_cfg.quant)
 
-    fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
-    per_w = _cache_bytes(caps(w), model_cfg, batch, dtype) - fixed
-    if fixed + per_w > budget:
-        raise BudgetTooSmallError(
-            budget_bytes=budget,
-            min_bytes=fixed + per_w,
-            full_bytes=full,
-            holds=f"{cache_cfg.sink} sinks and one window",
-        )
+    bytes_of = functools.partial(_cache_bytes, model_cfg=model_cfg, batch=batch, dtype=dtype)
+    fixed, per_w = _fixed_and_unit_bytes(
+        caps, unit=w, bytes_of=bytes_of, budget=budget, full=full, holds=f"{cache_cfg.sink} sinks and one window"
+    )
     r = (budget - fixed) // per_w * w
-    while r > 0 and _cache_bytes(caps(r), model_cfg, batch, dtype) > budget:
+    while r > 0 and bytes_of(caps(r)) > budget:
         r -= w
     return caps(r)
 
@@ -205,30 +215,24 @@ def solve_pool_capacities(
     recent = resolve_recent(cache_cfg, budget / (batch * model_cfg.kv_bytes_per_token(itemsize)))
     ring = recent + max_new_tokens if cache_cfg.static else ring_capacity(recent, 1, cache_cfg.omega)
 
-    def caps(pph: int) -> Capacities:
+    def caps(slots_per_head: int) -> Capacities:
         return sized(
             cache_cfg,
             window=1,
             recent=recent,
             ring=ring,
-            pool_per_head=pph,
+            pool_per_head=slots_per_head,
             pool_scores=not cache_cfg.static,
             decode_routing=not cache_cfg.static,
             pool=True,
         )
 
-    fixed = _cache_bytes(caps(0), model_cfg, batch, dtype)
-    per = _cache_bytes(caps(1), model_cfg, batch, dtype) - fixed
-    if fixed + per > budget:
-        raise BudgetTooSmallError(
-            budget_bytes=budget,
-            min_bytes=fixed + per,
-            full_bytes=full,
-            holds=f"{cache_cfg.sink} sinks, the ring of {ring} tokens (R={recent}) and one pool slot per head",
-        )
-    pph = min((budget - fixed) // per, max(1, max_selectable))
-    result = caps(pph)
-    if _cache_bytes(result, model_cfg, batch, dtype) > budget:  # linear in pph: cannot happen
+    bytes_of = functools.partial(_cache_bytes, model_cfg=model_cfg, batch=batch, dtype=dtype)
+    holds = f"{cache_cfg.sink} sinks, the ring of {ring} tokens (R={recent}) and one pool slot per head"
+    fixed, per = _fixed_and_unit_bytes(caps, unit=1, bytes_of=bytes_of, budget=budget, full=full, holds=holds)
+    slots_per_head = min((budget - fixed) // per, max(1, max_selectable))
+    result = caps(slots_per_head)
+    if bytes_of(result) > budget:  # linear in slots_per_head: cannot happen
         raise AssertionError(f"solver overshoot for {result}")
     return result
 

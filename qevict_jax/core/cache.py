@@ -1,7 +1,7 @@
 """The cache pytrees of the budgeted methods, their constructor and abstract shapes, and the sink and ring
 helpers both engines share (docs/design.md §5).
 
-Per layer and batch row a cache holds sink tokens, a local ring (recent region + the window being filled +
+Per layer and batch row a cache holds sink tokens, a ring (recent region + the window being filled +
 the windows that left the recent region since the last routing event) and the counters (``SinkRingCache``),
 and the history in the tiers of one of two engines: ``TieredCache``, the window engine
 (``qevict_jax.engines.window``: F windows in full precision, post-RoPE, and the ledger of INT2/INT4 windows, keys
@@ -9,7 +9,7 @@ pre-RoPE; active = Q tier, dormant = codes kept for a promoted window), or ``Poo
 the per-head eviction baselines (``qevict_jax.engines.pool``). Window w covers absolute positions
 ``[S + wW, S + (w+1)W)``; positions are never renumbered.
 
-Scores are kept per slot (``fp_score`` [B, NF], ``ledger.score`` [B, NL], ``loc_score`` [B, RING/W]) and move
+Scores are kept per slot (``f_score`` [B, NF], ``ledger.score`` [B, NL], ``ring_score`` [B, RING/W]) and move
 with their window, not in one array indexed by window id: evicted windows never come back, so nothing is
 lost, and the cache size does not grow with the maximum sequence length (at a fixed byte budget NF and NQ
 are the same for any length).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -54,13 +55,13 @@ class Ledger:
 
 @struct.dataclass
 class SinkRingCache:
-    """What every budgeted cache keeps of one layer: the sink tokens, the local ring and the counters (stacked
+    """What every budgeted cache keeps of one layer: the sink tokens, the ring and the counters (stacked
     caches carry a leading [L] axis on every array field). S = sink, RING = ring slots."""
 
     sink_k: jax.Array  # [B, Hkv, S, D] model dtype, post-RoPE, slot = position
     sink_v: jax.Array  # [B, Hkv, S, D]
-    local_k: jax.Array  # [B, Hkv, RING, D] post-RoPE; position p >= S lives in slot (p - S) % RING
-    local_v: jax.Array  # [B, Hkv, RING, D]
+    ring_k: jax.Array  # [B, Hkv, RING, D] post-RoPE; position p >= S lives in slot (p - S) % RING
+    ring_v: jax.Array  # [B, Hkv, RING, D]
     length: jax.Array  # [B] int32 tokens seen
     next_win: jax.Array  # [B] int32 first window id still in the ring (lower ids have been routed)
     steps: jax.Array  # [B] int32 decode steps since prefill
@@ -74,33 +75,33 @@ class TieredCache(SinkRingCache):
     """The window engine's cache (``qevict_jax.engines.window``): sinks, ring, F windows and the ledger of one layer.
     RW = RING / W, NF = F slots, NL = ledger slots."""
 
-    loc_score: jax.Array  # [B, RW] f32 score of the window in each ring window slot (window w -> w % RW)
-    fp_kw: jax.Array  # [B, Hkv, NF, W, D] F tier, post-RoPE, in the storage form of the KV dtype (``fp_k``)
-    fp_vw: jax.Array  # [B, Hkv, NF, W, D] (``fp_v``)
-    fp_win: jax.Array  # [B, NF] int32 window id in each F slot, -1 = empty
-    fp_score: jax.Array  # [B, NF] f32
+    ring_score: jax.Array  # [B, RW] f32 score of the window in each ring window slot (window w -> w % RW)
+    f_k_words: jax.Array  # [B, Hkv, NF, W, D] F tier, post-RoPE, in the storage form of the KV dtype (``f_k``)
+    f_v_words: jax.Array  # [B, Hkv, NF, W, D] (``f_v``)
+    f_win: jax.Array  # [B, NF] int32 window id in each F slot, -1 = empty
+    f_score: jax.Array  # [B, NF] f32
     ledger: Ledger  # the Q tier and the dormant codes of promoted windows
     promotions: jax.Array  # [B] int32 Q -> F transitions
     demotions: jax.Array  # [B] int32 F -> Q transitions
     # with ``caps.deferred_head_mean`` the masses of the decode steps since the last routing event, per KV
     # head, for each F slot, ledger slot and ring window (folded into the scores by ``fold_head_means``);
     # else the last axis is 0
-    fp_pending: jax.Array  # [B, Hkv, NF | 0] f32
+    f_pending: jax.Array  # [B, Hkv, NF | 0] f32
     q_pending: jax.Array  # [B, Hkv, NL | 0] f32
-    loc_pending: jax.Array  # [B, Hkv, RW | 0] f32
+    ring_pending: jax.Array  # [B, Hkv, RW | 0] f32
 
     # The F tier is stored as 16-bit words (``kv.to_words``, as Full-KV's cache): routing scatters windows
     # into it, and XLA's CPU backend converts a whole bf16 buffer to f32 and back around every scatter.
 
     @property
-    def fp_k(self) -> jax.Array:
+    def f_k(self) -> jax.Array:
         """[B, Hkv, NF, W, D] the F tier's keys in the KV dtype (that of the ring)."""
-        return from_words(self.fp_kw, self.local_k.dtype)
+        return from_words(self.f_k_words, self.ring_k.dtype)
 
     @property
-    def fp_v(self) -> jax.Array:
+    def f_v(self) -> jax.Array:
         """[B, Hkv, NF, W, D] the F tier's values in the KV dtype."""
-        return from_words(self.fp_vw, self.local_v.dtype)
+        return from_words(self.f_v_words, self.ring_v.dtype)
 
 
 @struct.dataclass
@@ -108,12 +109,12 @@ class PoolCache(SinkRingCache):
     """The token-pool engine's cache (``qevict_jax.engines.pool``): sinks, ring and a pool of NP = Hkv * pool_per_head
     token slots of one layer, each owned by one KV head."""
 
-    hp_k: jax.Array  # [B, NP, D] post-RoPE key of one KV head at one position
-    hp_v: jax.Array  # [B, NP, D]
-    hp_pos: jax.Array  # [B, NP] int32 absolute position, -1 = empty
-    hp_head: jax.Array  # [B, NP] int8 owning KV head
-    hp_score: jax.Array  # [B, NPS] f32 running score (NPS = NP with decode-time eviction, else 0)
-    ring_hscore: jax.Array  # [B, Hkv, RS] f32 per-head score of each ring slot (RS = RING or 0, as NPS)
+    pool_k: jax.Array  # [B, NP, D] post-RoPE key of one KV head at one position
+    pool_v: jax.Array  # [B, NP, D]
+    pool_pos: jax.Array  # [B, NP] int32 absolute position, -1 = empty
+    pool_head: jax.Array  # [B, NP] int8 owning KV head
+    pool_score: jax.Array  # [B, NPS] f32 running score (NPS = NP with decode-time eviction, else 0)
+    ring_head_score: jax.Array  # [B, Hkv, RS] f32 per-head score of each ring slot (RS = RING or 0, as NPS)
 
 
 def init_cache(
@@ -138,8 +139,8 @@ def init_cache(
     common = dict(
         sink_k=z((hkv, caps.sink, d), dtype),
         sink_v=z((hkv, caps.sink, d), dtype),
-        local_k=z((hkv, caps.ring, d), dtype),
-        local_v=z((hkv, caps.ring, d), dtype),
+        ring_k=z((hkv, caps.ring, d), dtype),
+        ring_v=z((hkv, caps.ring, d), dtype),
         length=jnp.broadcast_to(lengths.astype(jnp.int32), (L, b)),
         next_win=counter,
         steps=counter,
@@ -152,23 +153,23 @@ def init_cache(
         nps = npool if caps.pool_scores else 0
         return PoolCache(
             **common,
-            hp_k=z((npool, d), dtype),
-            hp_v=z((npool, d), dtype),
-            hp_pos=jnp.full((L, b, npool), -1, jnp.int32),
-            hp_head=jnp.broadcast_to(
+            pool_k=z((npool, d), dtype),
+            pool_v=z((npool, d), dtype),
+            pool_pos=jnp.full((L, b, npool), -1, jnp.int32),
+            pool_head=jnp.broadcast_to(
                 (jnp.arange(npool, dtype=jnp.int32) // max(1, caps.pool_per_head)).astype(jnp.int8),
                 (L, b, npool),
             ),
-            hp_score=z((nps,), jnp.float32),
-            ring_hscore=z((hkv, caps.ring if caps.pool_scores else 0), jnp.float32),
+            pool_score=z((nps,), jnp.float32),
+            ring_head_score=z((hkv, caps.ring if caps.pool_scores else 0), jnp.float32),
         )
     return TieredCache(
         **common,
-        loc_score=z((caps.ring_windows,), jnp.float32),
-        fp_kw=to_words(z((hkv, nf, w, d), dtype), dtype),
-        fp_vw=to_words(z((hkv, nf, w, d), dtype), dtype),
-        fp_win=jnp.full((L, b, nf), -1, jnp.int32),
-        fp_score=z((nf,), jnp.float32),
+        ring_score=z((caps.ring_windows,), jnp.float32),
+        f_k_words=to_words(z((hkv, nf, w, d), dtype), dtype),
+        f_v_words=to_words(z((hkv, nf, w, d), dtype), dtype),
+        f_win=jnp.full((L, b, nf), -1, jnp.int32),
+        f_score=z((nf,), jnp.float32),
         ledger=Ledger(
             codes=QuantizedWindows(
                 **{
@@ -187,7 +188,7 @@ def init_cache(
         demotions=counter,
         **{
             name: z((hkv, n if caps.deferred_head_mean else 0), jnp.float32)
-            for name, n in (("fp_pending", nf), ("q_pending", nl), ("loc_pending", caps.ring_windows))
+            for name, n in (("f_pending", nf), ("q_pending", nl), ("ring_pending", caps.ring_windows))
         },
     )
 
@@ -205,8 +206,11 @@ class SizedByCapacities:
 
     def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> TieredCache | PoolCache:
         """Empty stacked cache sized by ``capacities(request)``; ``prompt_lengths`` [B] int32."""
+        chex.assert_shape(prompt_lengths, (request.batch,))
         caps = self.capacities(request)
-        return init_cache(caps, request.model_cfg, request.batch, request.dtype, prompt_lengths)
+        cache = init_cache(caps, request.model_cfg, request.batch, request.dtype, prompt_lengths)
+        chex.assert_tree_shape_prefix(cache, (request.model_cfg.num_layers, request.batch))  # [L, B, ...]
+        return cache
 
     def routing_due(self, cache: TieredCache) -> jax.Array:
         """[] bool: the step just taken brings the decode step count to a multiple of Ω (every row and layer
@@ -289,7 +293,7 @@ def fill_sink_and_ring(
 
     k, v [B, T, Hkv, D] post-RoPE (right-padded rows, row b holds ``lengths[b]`` tokens); routed [B]: the
     prompt's windows (window layouts) or tokens (pool layout, W = 1) that already left the ring.
-    Returns (cache with sink_k/v, local_k/v and next_win set, ring_ok [B, RING]: slots holding a token).
+    Returns (cache with sink_k/v, ring_k/v and next_win set, ring_ok [B, RING]: slots holding a token).
     """
     caps = cache.caps
     s = caps.sink
@@ -306,8 +310,8 @@ def fill_sink_and_ring(
     cache = cache.replace(
         sink_k=jnp.where(sink_ok, take(k, sink_idx), 0).astype(cache.sink_k.dtype),
         sink_v=jnp.where(sink_ok, take(v, sink_idx), 0).astype(cache.sink_v.dtype),
-        local_k=jnp.where(ring_ok[:, None, :, None], take(k, ring_pos), 0).astype(cache.local_k.dtype),
-        local_v=jnp.where(ring_ok[:, None, :, None], take(v, ring_pos), 0).astype(cache.local_v.dtype),
+        ring_k=jnp.where(ring_ok[:, None, :, None], take(k, ring_pos), 0).astype(cache.ring_k.dtype),
+        ring_v=jnp.where(ring_ok[:, None, :, None], take(v, ring_pos), 0).astype(cache.ring_v.dtype),
         next_win=routed.astype(jnp.int32),
     )
     return cache, ring_ok
@@ -322,7 +326,7 @@ def write_token(cache: TieredCache, pos: jax.Array, k: jax.Array, v: jax.Array) 
     return cache.replace(
         sink_k=write_slot(cache.sink_k, k, pos, in_sink),
         sink_v=write_slot(cache.sink_v, v, pos, in_sink),
-        local_k=write_slot(cache.local_k, k, ring_slot, ~in_sink),
-        local_v=write_slot(cache.local_v, v, ring_slot, ~in_sink),
+        ring_k=write_slot(cache.ring_k, k, ring_slot, ~in_sink),
+        ring_v=write_slot(cache.ring_v, v, ring_slot, ~in_sink),
         length=pos + 1,
     )

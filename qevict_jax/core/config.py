@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.quant import QuantFormat, quant_format
+from qevict_jax.core.bounds import Bound, check_bounds
 
 RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv", "gates")
 """The names ``CacheConfig.ranking`` accepts: those of ``scoring.RANKINGS`` (a test holds them equal). The
@@ -15,6 +16,21 @@ configuration names a ranking and does not import the rankings: it sits below th
 LINEAR_RANKINGS = ("cumulative", "cumulative-all", "decayed", "keynorm", "restkv", "gates")
 """The rankings whose ``update`` is linear in the mass (``ScoreDynamics.linear_in_mass``; a test holds them
 equal): those ``deferred_head_mean`` accepts."""
+
+CACHE_BOUNDS = (
+    Bound("bits", lambda v: v in (2, 4), "2 or 4"),
+    Bound("window", lambda v: v >= 1, ">= 1"),
+    Bound("sink", lambda v: v >= 0, ">= 0"),
+    Bound("omega", lambda v: v >= 1, ">= 1"),
+    Bound("q_frac", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    Bound("budget_bytes", lambda v: v is None or v > 0, "> 0"),
+    Bound("n_obs", lambda v: v >= 1, ">= 1"),
+    Bound("max_pool_width", lambda v: v >= 0, ">= 0 (0 = no pooling)"),
+    Bound("spill", lambda v: v >= 0, ">= 0 (0 = none)"),
+    Bound("decay", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    Bound("prefill_chunk", lambda v: v >= 1, ">= 1"),
+)
+"""The ranges of ``CacheConfig``'s numeric fields (the checks across fields are in its ``__post_init__``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +99,7 @@ class CacheConfig:
     deferred_head_mean: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits not in (2, 4):
-            raise ValueError(f"bits must be 2 or 4, got {self.bits}")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.sink < 0:
-            raise ValueError(f"sink must be >= 0, got {self.sink}")
-        if self.omega < 1:
-            raise ValueError(f"omega must be >= 1, got {self.omega}")
-        if not 0.0 <= self.q_frac <= 1.0:
-            raise ValueError(f"q_frac must be in [0, 1], got {self.q_frac}")
+        check_bounds(self, CACHE_BOUNDS)
         fmt = quant_format(self.quant, self.bits)
         per_byte = 8 // self.bits
         if self.q_frac > 0 and fmt.name == "channel" and self.window % per_byte:
@@ -115,20 +122,8 @@ class CacheConfig:
                 f"budget β is a fraction of the uncompressed cache's bytes and must be in (0, 1], got "
                 f"{self.budget} (β = 1 keeps as many bytes as Full-KV; to size a cache in bytes set budget_bytes)"
             )
-        if self.budget_bytes is not None and self.budget_bytes <= 0:
-            raise ValueError(f"budget_bytes must be > 0, got {self.budget_bytes}")
         if self.ranking not in RANKINGS:
             raise ValueError(f"unknown ranking {self.ranking!r}; available: {', '.join(RANKINGS)}")
-        if self.n_obs < 1:
-            raise ValueError(f"n_obs must be >= 1, got {self.n_obs}")
-        if self.max_pool_width < 0:
-            raise ValueError(f"max_pool_width must be >= 0 (0 = no pooling), got {self.max_pool_width}")
-        if self.spill < 0:
-            raise ValueError(f"spill must be >= 0 (0 = none), got {self.spill}")
-        if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.deferred_head_mean and self.ranking not in LINEAR_RANKINGS:
             linear = ", ".join(LINEAR_RANKINGS)
             raise ValueError(
@@ -141,7 +136,7 @@ class CacheConfig:
 class Capacities:
     """Static buffer sizes of one layer's tiered cache (hashable; stored as a static field of the cache).
 
-    sink: S sink slots. window: W. recent: R tokens. ring: local ring slots (a multiple of W).
+    sink: S sink slots. window: W. recent: R tokens. ring: ring slots (a multiple of W).
     nf: F slots. nl: ledger slots, shared by the active Q entries and the dormant copies of promoted
     windows (an F window's first-demotion codes, kept while it is in F). nq: the most active Q windows;
     the Q tier holds ``min(nq, nl - dormant entries)`` at a routing event (``routing.plan_routing``).
@@ -194,7 +189,7 @@ class Capacities:
 
 
 def ring_capacity(recent: int, window: int, omega: int) -> int:
-    """Slots of the local ring: ``R + W * ceil((Ω + W - 1) / W)``.
+    """Slots of the ring: ``R + W * ceil((Ω + W - 1) / W)``.
 
     Right after routing the ring holds fewer than R + W tokens (every window that ended at least R tokens
     ago has left it); the next Ω decode tokens arrive before the next routing event, so the ring must hold

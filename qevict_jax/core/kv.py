@@ -1,4 +1,4 @@
-"""The KV-cache method interface, and the uncompressed Full-KV cache.
+"""The KV-cache method interface, byte accounting and the uncompressed cache pytree (``FullCache``).
 
 A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) with these functions:
 
@@ -13,18 +13,21 @@ A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) w
 - ``decode_route(cache, inv_freq)``: after a decode step, ``route`` with ``due`` = an event is due now.
 - ``reserve(cache, total_tokens)``: a cache with room for ``total_tokens`` tokens per row (a continued
   conversation), or a clear error when the method cannot grow.
+- ``uncompressed()``: the method that runs instead when compressing a prompt saves nothing (Full-KV,
+  ``qevict_jax.methods.full``; Full-KV is its own).
+
+The runtime sees methods only through this protocol: it never names a concrete method, Full-KV included.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import chunked_attention, dense_attention
 from models.config import ModelConfig
 from models.model import LayerContext
 
@@ -53,12 +56,14 @@ class CacheRequest:
 
 
 class KVMethod(Protocol):
-    """name: registry name; uses_budget: sized by a byte budget β; options: names ``configure`` may set;
+    """name: registry name; compresses: the cache holds less than every token in full precision (False for
+    Full-KV alone); uses_budget: sized by a byte budget β; options: names ``configure`` may set;
     protects_recent: has a protected recent region (``recent``) that a benchmark's protocol may set;
     stacked_cache: its attend fns take the whole stacked cache and ``ctx.layer`` (else one layer's slice);
     budget: the β it runs at, None when no budget applies."""
 
     name: str
+    compresses: bool
     uses_budget: bool
     options: tuple[str, ...]
     protects_recent: bool
@@ -78,6 +83,8 @@ class KVMethod(Protocol):
     def decode_route(self, cache: Any, inv_freq: jax.Array) -> Any: ...
 
     def reserve(self, cache: Any, total_tokens: int) -> Any: ...
+
+    def uncompressed(self) -> KVMethod: ...
 
 
 DEFAULT_KV_DTYPE = jnp.bfloat16
@@ -100,7 +107,7 @@ def to_words(x: jax.Array, dtype: Any) -> jax.Array:
     XLA's CPU backend rewrites a scatter or dynamic-update-slice on a 16-bit float buffer into f32 and back,
     converting the *whole* buffer (17 ms per write into SmolLM2's 2K stacked cache, against microseconds on
     uint16 words): the uncompressed cache, written one token per layer per step, and QEvict's F tier
-    (``cache.TieredCache.fp_kw``), into which routing scatters windows, are kept as words.
+    (``cache.TieredCache.f_k_words``), into which routing scatters windows, are kept as words.
     """
     x = x.astype(dtype)
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(dtype).itemsize == 2 else x
@@ -130,98 +137,3 @@ class FullCache:
 
     def values(self) -> jax.Array:
         return from_words(self.v, self.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class FullKV:
-    """The uncompressed baseline: every token kept in full precision.
-
-    Its attend fns take the whole stacked cache (``stacked_cache``) and write the new token in place, so a
-    decode step never copies the cache.
-    """
-
-    name: str = "full"
-    prefill_chunk: int = 512
-    stacked_cache: ClassVar[bool] = True
-    uses_budget: ClassVar[bool] = False
-    options: ClassVar[tuple[str, ...]] = ("prefill_chunk",)
-    protects_recent: ClassVar[bool] = False
-
-    @property
-    def budget(self) -> float | None:
-        return None
-
-    def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> FullCache:
-        cfg, b, dtype = request.model_cfg, request.batch, request.dtype
-        shape = (cfg.num_layers, b, cfg.num_kv_heads, request.max_tokens, cfg.head_dim)
-        length = jnp.broadcast_to(prompt_lengths.astype(jnp.int32), (cfg.num_layers, b))
-        zeros = to_words(jnp.zeros(shape, dtype), dtype)
-        return FullCache(k=zeros, v=zeros, length=length, dtype=jnp.dtype(dtype))
-
-    def route(self, cache: FullCache, inv_freq: jax.Array, due: jax.Array | None = None) -> FullCache:
-        return cache
-
-    def decode_route(self, cache: FullCache, inv_freq: jax.Array) -> FullCache:
-        return cache
-
-    def reserve(self, cache: FullCache, total_tokens: int) -> FullCache:
-        """Grow the buffers [L, B, Hkv, C, D] to at least ``total_tokens`` slots (zero padding)."""
-        extra = total_tokens - cache.k.shape[3]
-        if extra <= 0:
-            return cache
-        pad = ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))
-        return cache.replace(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
-
-    def _prompt_blocks(self, ctx: LayerContext) -> dict[str, Any]:
-        """``chunked_attention``'s keyword arguments of a prompt pass over its own tokens."""
-        return dict(
-            q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=ctx.cfg.sliding_window, chunk=self.prefill_chunk
-        )
-
-    def prefill_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
-        """q [B, P, H, D], k, v [B, P, Hkv, D]; cache: stacked [L, ...]. Writes the layer's prompt KV."""
-        out, _ = chunked_attention(
-            q, k, v, **self._prompt_blocks(ctx)
-        )
-        at = (ctx.layer, 0, 0, 0, 0)
-        cache = cache.replace(
-            k=jax.lax.dynamic_update_slice(cache.k, to_words(k.swapaxes(1, 2)[None], cache.dtype), at),
-            v=jax.lax.dynamic_update_slice(cache.v, to_words(v.swapaxes(1, 2)[None], cache.dtype), at),
-        )
-        return out, cache
-
-    def prefill_attend_slice(self, q, k, v, cache: FullCache, ctx: LayerContext):
-        """``prefill_attend`` on one layer's slice of the cache ([B, Hkv, C, D] fields), for a shared prefill
-        (``prefill.Fanout``) whose layer scan hands every member its slice and the prompt attention."""
-        if ctx.prompt_attention is not None:
-            out = ctx.prompt_attention[0]
-        else:
-            out, _ = chunked_attention(
-                q, k, v, **self._prompt_blocks(ctx)
-            )
-        cache = cache.replace(
-            k=jax.lax.dynamic_update_slice(cache.k, to_words(k.swapaxes(1, 2), cache.dtype), (0, 0, 0, 0)),
-            v=jax.lax.dynamic_update_slice(cache.v, to_words(v.swapaxes(1, 2), cache.dtype), (0, 0, 0, 0)),
-        )
-        return out, cache
-
-    def decode_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
-        """q [B, 1, H, D], k, v [B, 1, Hkv, D]; cache: stacked [L, ...]. One token per row, in place."""
-        pos = ctx.positions[:, 0]
-        rows = jnp.arange(pos.shape[0])
-        kbuf = cache.k.at[ctx.layer, rows, :, pos].set(to_words(k[:, 0], cache.dtype))
-        vbuf = cache.v.at[ctx.layer, rows, :, pos].set(to_words(v[:, 0], cache.dtype))
-        k_layer = from_words(kbuf[ctx.layer], cache.dtype)  # [B, Hkv, C, D]
-        v_layer = from_words(vbuf[ctx.layer], cache.dtype)
-        b, cap = k_layer.shape[0], k_layer.shape[2]
-        k_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
-        out, _ = dense_attention(
-            q,
-            k_layer.swapaxes(1, 2),
-            v_layer.swapaxes(1, 2),
-            q_pos=ctx.positions,
-            k_pos=k_pos,
-            sliding_window=ctx.cfg.sliding_window,
-        )
-        length = cache.length.at[ctx.layer].set(pos + 1)
-        return out, cache.replace(k=kbuf, v=vbuf, length=length)

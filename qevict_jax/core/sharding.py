@@ -57,8 +57,8 @@ BATCH = "batch"  # [L, B, ...]: batch over "data", the rest replicated
 _SINK_RING = {
     "sink_k": HEADS,  # [L, B, Hkv, S, D]
     "sink_v": HEADS,  # [L, B, Hkv, S, D]
-    "local_k": HEADS,  # [L, B, Hkv, RING, D]
-    "local_v": HEADS,  # [L, B, Hkv, RING, D]
+    "ring_k": HEADS,  # [L, B, Hkv, RING, D]
+    "ring_v": HEADS,  # [L, B, Hkv, RING, D]
     "length": BATCH,  # [L, B]
     "next_win": BATCH,  # [L, B]
     "steps": BATCH,  # [L, B]
@@ -71,17 +71,17 @@ CACHE_LAYOUTS: dict[type, dict[str, str]] = {
     SinkRingCache: _SINK_RING,
     TieredCache: _SINK_RING
     | {
-        "loc_score": BATCH,  # [L, B, RW]
-        "fp_kw": HEADS,  # [L, B, Hkv, NF, W, D]
-        "fp_vw": HEADS,  # [L, B, Hkv, NF, W, D]
-        "fp_win": BATCH,  # [L, B, NF]
-        "fp_score": BATCH,  # [L, B, NF]
+        "ring_score": BATCH,  # [L, B, RW]
+        "f_k_words": HEADS,  # [L, B, Hkv, NF, W, D]
+        "f_v_words": HEADS,  # [L, B, Hkv, NF, W, D]
+        "f_win": BATCH,  # [L, B, NF]
+        "f_score": BATCH,  # [L, B, NF]
         "ledger": "nested",  # Ledger
         "promotions": BATCH,  # [L, B]
         "demotions": BATCH,  # [L, B]
-        "fp_pending": HEADS,  # [L, B, Hkv, NF | 0]
+        "f_pending": HEADS,  # [L, B, Hkv, NF | 0]
         "q_pending": HEADS,  # [L, B, Hkv, NL | 0]
-        "loc_pending": HEADS,  # [L, B, Hkv, RW | 0]
+        "ring_pending": HEADS,  # [L, B, Hkv, RW | 0]
     },
     Ledger: {
         "codes": "nested",  # QuantizedWindows
@@ -99,14 +99,14 @@ CACHE_LAYOUTS: dict[type, dict[str, str]] = {
     },
     PoolCache: _SINK_RING
     | {
-        # the pool is flat over (KV head, slot) pairs, NP = Hkv * pool_per_head, with its owner in hp_head:
+        # the pool is flat over (KV head, slot) pairs, NP = Hkv * pool_per_head, with its owner in pool_head:
         # a slot's head is data, not an axis, so the pool is split over the batch only
-        "hp_k": BATCH,  # [L, B, NP, D]
-        "hp_v": BATCH,  # [L, B, NP, D]
-        "hp_pos": BATCH,  # [L, B, NP]
-        "hp_head": BATCH,  # [L, B, NP]
-        "hp_score": BATCH,  # [L, B, NPS]
-        "ring_hscore": HEADS,  # [L, B, Hkv, RS]
+        "pool_k": BATCH,  # [L, B, NP, D]
+        "pool_v": BATCH,  # [L, B, NP, D]
+        "pool_pos": BATCH,  # [L, B, NP]
+        "pool_head": BATCH,  # [L, B, NP]
+        "pool_score": BATCH,  # [L, B, NPS]
+        "ring_head_score": HEADS,  # [L, B, Hkv, RS]
     },
 }
 

@@ -152,9 +152,9 @@ def window_view(cache: TieredCache, nw: int) -> tuple[jax.Array, jax.Array]:
         q_idx = jnp.where(r.ledger.active & (r.ledger.win >= 0), r.ledger.win, nw)
         tier = tier.at[q_idx].set(Q, mode="drop")
         score = score.at[q_idx].set(r.ledger.score.astype(jnp.float32), mode="drop")
-        f_idx = jnp.where(r.fp_win >= 0, r.fp_win, nw)
+        f_idx = jnp.where(r.f_win >= 0, r.f_win, nw)
         tier = tier.at[f_idx].set(F, mode="drop")
-        score = score.at[f_idx].set(r.fp_score.astype(jnp.float32), mode="drop")
+        score = score.at[f_idx].set(r.f_score.astype(jnp.float32), mode="drop")
         return tier, score
 
     return jax.vmap(jax.vmap(row))(cache)

@@ -40,7 +40,7 @@ def apply_plan(
     windows (the fresh F -> Q demotions and the Q -> F promotions), or as many as there are F slots when
     None; the caller guarantees that the plan's counts fit (``plan_counts``). Both give the same row.
     """
-    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
+    nf, nl = row.f_win.shape[0], row.ledger.win.shape[0]
     m = nf if bound is None else min(bound, nf)
     row = quantize_candidates(row, plan, candidates, inv_freq)
     if nl and m:
@@ -61,13 +61,13 @@ def demote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq
     Reads F, writes only ledger slots the plan freed (never a promoted window's entry), so every chunk of
     demotions can run before any promotion overwrites an F slot."""
     caps = row.caps
-    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
-    dtype = row.local_k.dtype  # the KV dtype: the F tier is stored as its words (``TieredCache.fp_kw``)
-    sel = _chunk(plan.f2q_target < nl, chunk, m)  # [m] F slots (NF = none)
+    nf, nl = row.f_win.shape[0], row.ledger.win.shape[0]
+    dtype = row.ring_k.dtype  # the KV dtype: the F tier is stored as its words (``TieredCache.f_k_words``)
+    sel = _chunk(plan.demote_slot < nl, chunk, m)  # [m] F slots (NF = none)
     fsel = jnp.minimum(sel, nf - 1)
-    k, v = from_words(row.fp_kw[:, fsel], dtype), from_words(row.fp_vw[:, fsel], dtype)
-    entries = quantize_windows(k, v, caps.sink + row.fp_win[fsel] * caps.window, inv_freq, caps.format)
-    target = jnp.where(sel < nf, plan.f2q_target[fsel], nl)
+    k, v = from_words(row.f_k_words[:, fsel], dtype), from_words(row.f_v_words[:, fsel], dtype)
+    entries = quantize_windows(k, v, caps.sink + row.f_win[fsel] * caps.window, inv_freq, caps.format)
+    target = jnp.where(sel < nf, plan.demote_slot[fsel], nl)
     return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(target, entries)))
 
 
@@ -76,17 +76,17 @@ def promote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_fre
 
     Reads the ledger (promoted entries stay, dormant), writes F; the row's metadata is still the old one."""
     caps = row.caps
-    nf, nl = row.fp_win.shape[0], row.ledger.win.shape[0]
-    dtype = row.local_k.dtype
-    src = jnp.full((nf,), nl, jnp.int32).at[plan.q2f_target].set(jnp.arange(nl, dtype=jnp.int32), mode="drop")
+    nf, nl = row.f_win.shape[0], row.ledger.win.shape[0]
+    dtype = row.ring_k.dtype
+    src = jnp.full((nf,), nl, jnp.int32).at[plan.promote_slot].set(jnp.arange(nl, dtype=jnp.int32), mode="drop")
     dest = _chunk(src < nl, chunk, m)  # [m] F slots receiving a promoted window (NF = none)
     lsel = jnp.minimum(src[jnp.minimum(dest, nf - 1)], nl - 1)
     k, v = dequantize_windows(
         row.ledger.codes.take(lsel), caps.sink + row.ledger.win[lsel] * caps.window, inv_freq, caps.format
     )
     return row.replace(
-        fp_kw=row.fp_kw.at[:, dest].set(to_words(k, dtype), mode="drop"),
-        fp_vw=row.fp_vw.at[:, dest].set(to_words(v, dtype), mode="drop"),
+        f_k_words=row.f_k_words.at[:, dest].set(to_words(k, dtype), mode="drop"),
+        f_v_words=row.f_v_words.at[:, dest].set(to_words(v, dtype), mode="drop"),
     )
 
 
@@ -98,26 +98,26 @@ def quantize_candidates(row: Any, plan: RoutingPlan, candidates: Candidates, inv
         return row
     c = candidates
     entries = quantize_windows(c.k, c.v, caps.sink + c.win * caps.window, inv_freq, caps.format)
-    return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(plan.c2q_target, entries)))
+    return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(plan.admit_q_slot, entries)))
 
 
 def place_candidates(row: Any, plan: RoutingPlan, candidates: Candidates) -> Any:
     """The last move of an event: candidates going to F copied into their slots (after the
     demotions read theirs), and the plan's metadata and counts."""
-    dtype = row.local_k.dtype
-    fp_k, fp_v = row.fp_kw, row.fp_vw
-    if row.fp_win.shape[0]:
-        fp_k = fp_k.at[:, plan.c2f_target].set(to_words(candidates.k, dtype), mode="drop")
-        fp_v = fp_v.at[:, plan.c2f_target].set(to_words(candidates.v, dtype), mode="drop")
+    dtype = row.ring_k.dtype
+    f_k, f_v = row.f_k_words, row.f_v_words
+    if row.f_win.shape[0]:
+        f_k = f_k.at[:, plan.admit_f_slot].set(to_words(candidates.k, dtype), mode="drop")
+        f_v = f_v.at[:, plan.admit_f_slot].set(to_words(candidates.v, dtype), mode="drop")
     return row.replace(
-        fp_kw=fp_k,
-        fp_vw=fp_v,
-        fp_win=plan.fp_win,
-        fp_score=plan.fp_score.astype(row.fp_score.dtype),
+        f_k_words=f_k,
+        f_v_words=f_v,
+        f_win=plan.f_win,
+        f_score=plan.f_score.astype(row.f_score.dtype),
         ledger=row.ledger.replace(
-            win=plan.led_win,
-            active=plan.led_active,
-            score=plan.led_score.astype(row.ledger.score.dtype),
+            win=plan.ledger_win,
+            active=plan.ledger_active,
+            score=plan.ledger_score.astype(row.ledger.score.dtype),
         ),
         promotions=row.promotions + plan.promotions,
         demotions=row.demotions + plan.demotions,
@@ -181,7 +181,7 @@ def route_stacked(
             return lambda i, c: rows(lambda r, p: step(r, p, i, m, inv_freq))(c, plan)
 
         cache = jax.lax.fori_loop(
-            0, iterations(jnp.sum(plan.f2q_target < nl, axis=-1)), moves(demote_chunk), cache
+            0, iterations(jnp.sum(plan.demote_slot < nl, axis=-1)), moves(demote_chunk), cache
         )
         cache = jax.lax.fori_loop(0, iterations(plan.promotions), moves(promote_chunk), cache)
     return rows(lambda r, p, c: mark_routed(place_candidates(r, p, c), c.win, due))(cache, plan, candidates)

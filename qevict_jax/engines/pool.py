@@ -60,12 +60,12 @@ def pool_attention(q: jax.Array, q_pos: jax.Array, cache: PoolCache, sliding_win
     sink_pos = jnp.where(sink_pos < cache.length[:, None], sink_pos, -1)
     p_sink = dense_partial(qg, cache.sink_k, cache.sink_v, causal(sink_pos))
     owner = (
-        cache.hp_head.astype(jnp.int32)[:, None, None, None, :] == jnp.arange(hkv)[None, :, None, None, None]
+        cache.pool_head.astype(jnp.int32)[:, None, None, None, :] == jnp.arange(hkv)[None, :, None, None, None]
     )
-    p_pool = dense_partial(qg, cache.hp_k, cache.hp_v, causal(cache.hp_pos) & owner)
+    p_pool = dense_partial(qg, cache.pool_k, cache.pool_v, causal(cache.pool_pos) & owner)
     ring_pos = ring_positions(cache.length, caps)
     ring_pos = jnp.where(ring_valid(cache.length, cache.next_win, caps), ring_pos, -1)
-    p_ring = dense_partial(qg, cache.local_k, cache.local_v, causal(ring_pos))
+    p_ring = dense_partial(qg, cache.ring_k, cache.ring_v, causal(ring_pos))
     parts = (p_sink, p_pool, p_ring)
     out, weights = combine_partials(parts)
     probs = [p.mass * wt[..., None] for p, wt in zip(parts, weights, strict=True)]
@@ -173,25 +173,25 @@ def pool_prefill_layer(
     rows = jnp.arange(b)[:, None]
     at = (rows, jnp.clip(pos, 0, t - 1), head)  # slot -> (row, position, KV head) of k, v [B, T, Hkv, D]
     ok = (pos >= 0)[..., None]
-    hp_k = jnp.where(ok, k[at], 0).astype(cache.hp_k.dtype)  # [B, NP, D], no transposed copy of the prompt
-    hp_v = jnp.where(ok, v[at], 0).astype(cache.hp_v.dtype)
+    pool_k = jnp.where(ok, k[at], 0).astype(cache.pool_k.dtype)  # [B, NP, D], no transposed copy of the prompt
+    pool_v = jnp.where(ok, v[at], 0).astype(cache.pool_v.dtype)
     kept = jnp.sum(pos >= 0, axis=1, dtype=jnp.int32)
     evicted = hkv * jnp.sum(eligible, axis=1, dtype=jnp.int32) - kept
 
     cache, ring_ok = fill_sink_and_ring(cache, k, v, lengths, routed)
     cache = cache.replace(
-        hp_k=hp_k,
-        hp_v=hp_v,
-        hp_pos=pos,
-        hp_head=head.astype(jnp.int8),
+        pool_k=pool_k,
+        pool_v=pool_v,
+        pool_pos=pos,
+        pool_head=head.astype(jnp.int8),
         evictions=cache.evictions + evicted,
     )
     if caps.pool_scores:
         ring_pos = ring_positions(lengths, caps)
         ring_sc = jnp.take_along_axis(scores, jnp.clip(ring_pos, 0, t - 1)[:, None, :], axis=2)
         cache = cache.replace(
-            hp_score=slot_score.astype(jnp.float32),
-            ring_hscore=jnp.where(ring_ok[:, None, :], ring_sc, 0.0).astype(jnp.float32),
+            pool_score=slot_score.astype(jnp.float32),
+            ring_head_score=jnp.where(ring_ok[:, None, :], ring_sc, 0.0).astype(jnp.float32),
         )
     return out, cache
 
@@ -218,21 +218,21 @@ def pool_decode_layer(
     if not caps.decode_routing:
         return att.out, cache
     fresh = (jnp.arange(caps.ring)[None] == ring_slot[:, None]) & ~in_sink[:, None]  # [B, RING]
-    ring_score = jnp.where(fresh[:, None], 0.0, cache.ring_hscore)
+    ring_score = jnp.where(fresh[:, None], 0.0, cache.ring_head_score)
     own = att.pool[:, :, :, 0].mean(axis=2)  # [B, Hkv, NP] group mean
-    own = jnp.take_along_axis(own, cache.hp_head.astype(jnp.int32)[:, None, :], axis=1)[:, 0]  # owner's
+    own = jnp.take_along_axis(own, cache.pool_head.astype(jnp.int32)[:, None, :], axis=1)[:, 0]  # owner's
     ring_probs = att.ring[:, :, :, 0]  # [B, Hkv, G, RING]
     if ranking.shared_heads:  # every head keeps the same tokens: slot j of each head holds one token
         ring_mass = jnp.broadcast_to(
             ring_probs.mean(axis=(1, 2))[:, None], ring_probs.shape[:2] + ring_probs.shape[3:]
         )
-        n, pph = own.shape[1], caps.pool_per_head
-        slot_mass = jnp.tile(own.reshape(-1, n // pph, pph).mean(axis=1), (1, n // pph))
+        n, slots_per_head = own.shape[1], caps.pool_per_head
+        slot_mass = jnp.tile(own.reshape(-1, n // slots_per_head, slots_per_head).mean(axis=1), (1, n // slots_per_head))
     else:
         ring_mass, slot_mass = ring_probs.mean(axis=2), own
     cache = cache.replace(
-        hp_score=jnp.where(cache.hp_pos >= 0, ranking.update(cache.hp_score, slot_mass), 0.0),
-        ring_hscore=ranking.update(ring_score, ring_mass),
+        pool_score=jnp.where(cache.pool_pos >= 0, ranking.update(cache.pool_score, slot_mass), 0.0),
+        ring_head_score=ranking.update(ring_score, ring_mass),
     )
     return att.out, cache
 
@@ -245,36 +245,36 @@ def route_pool_row(row: Any, ranking: TokenRanking) -> Any:
     older candidates), newcomers take the freed slots.
     """
     caps = row.caps
-    pph = caps.pool_per_head
+    slots_per_head = caps.pool_per_head
     cand_win, ring_slot = ring_candidates(row)  # [K]
-    hkv, _, d = row.local_k.shape
-    cand_k = row.local_k[:, ring_slot]  # [Hkv, K, D]
-    cand_v = row.local_v[:, ring_slot]
+    hkv, _, d = row.ring_k.shape
+    cand_k = row.ring_k[:, ring_slot]  # [Hkv, K, D]
+    cand_v = row.ring_v[:, ring_slot]
     # each candidate is a window of one token of one KV head: k [Hkv, K, 1, 1, D]
-    cand_score = ranking.candidate_score(row.ring_hscore[:, ring_slot], cand_k[:, :, None, None])  # [Hkv, K]
+    cand_score = ranking.candidate_score(row.ring_head_score[:, ring_slot], cand_k[:, :, None, None])  # [Hkv, K]
     cand_pos = caps.sink + cand_win
 
     def per_head(slot_pos, slot_score, c_score):
         valid = jnp.concatenate([slot_pos >= 0, cand_win >= 0])
         score = jnp.concatenate([slot_score, c_score]).astype(jnp.float32)
-        keep = valid & (_rank(jnp.where(valid, score, -jnp.inf)) < pph)
-        keep_slot, keep_cand = jnp.split(keep, [pph])
-        target = assign_slots(~keep_slot, keep_cand)  # [K], pph = none
+        keep = valid & (_rank(jnp.where(valid, score, -jnp.inf)) < slots_per_head)
+        keep_slot, keep_cand = jnp.split(keep, [slots_per_head])
+        target = assign_slots(~keep_slot, keep_cand)  # [K], slots_per_head = none
         new_pos = jnp.where(keep_slot, slot_pos, -1).at[target].set(cand_pos, mode="drop")
         new_score = jnp.where(keep_slot, slot_score, 0.0).at[target].set(c_score, mode="drop")
         return new_pos, new_score, target, jnp.sum(valid & ~keep, dtype=jnp.int32)
 
     pos, score, target, gone = jax.vmap(per_head)(
-        row.hp_pos.reshape(hkv, pph), row.hp_score.reshape(hkv, pph), cand_score
+        row.pool_pos.reshape(hkv, slots_per_head), row.pool_score.reshape(hkv, slots_per_head), cand_score
     )
-    slot = (jnp.arange(hkv)[:, None] * pph + jnp.where(target < pph, target, hkv * pph)).reshape(-1)
-    hp_k = row.hp_k.at[slot].set(cand_k.reshape(-1, d).astype(row.hp_k.dtype), mode="drop")
-    hp_v = row.hp_v.at[slot].set(cand_v.reshape(-1, d).astype(row.hp_v.dtype), mode="drop")
+    slot = (jnp.arange(hkv)[:, None] * slots_per_head + jnp.where(target < slots_per_head, target, hkv * slots_per_head)).reshape(-1)
+    pool_k = row.pool_k.at[slot].set(cand_k.reshape(-1, d).astype(row.pool_k.dtype), mode="drop")
+    pool_v = row.pool_v.at[slot].set(cand_v.reshape(-1, d).astype(row.pool_v.dtype), mode="drop")
     row = row.replace(
-        hp_k=hp_k,
-        hp_v=hp_v,
-        hp_pos=pos.reshape(-1),
-        hp_score=score.reshape(-1),
+        pool_k=pool_k,
+        pool_v=pool_v,
+        pool_pos=pos.reshape(-1),
+        pool_score=score.reshape(-1),
         evictions=row.evictions + gone.sum(),
     )
     return mark_routed(row, cand_win)

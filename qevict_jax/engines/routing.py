@@ -53,24 +53,24 @@ class Candidates(NamedTuple):
 class RoutingPlan(NamedTuple):
     """The outcome of one routing event for one batch row (NF F slots, NL ledger slots, K candidates).
 
-    fp_win, fp_score: [NF] new F metadata. led_win, led_score: [NL]; led_active: [NL] bool.
-    q2f_target: [NL] F slot receiving ledger slot l's window (promotion), NF = none.
-    c2f_target: [K] F slot receiving candidate j, NF = none.
-    f2q_target: [NF] ledger slot receiving F slot f's window freshly quantized, NL = none (a demotion that
+    f_win, f_score: [NF] new F metadata. ledger_win, ledger_score: [NL]; ledger_active: [NL] bool.
+    promote_slot: [NL] F slot receiving ledger slot l's window (promotion), NF = none.
+    admit_f_slot: [K] F slot receiving candidate j, NF = none.
+    demote_slot: [NF] ledger slot receiving F slot f's window freshly quantized, NL = none (a demotion that
         reactivates a dormant entry needs no data and has no target).
-    c2q_target: [K] ledger slot receiving candidate j quantized, NL = none.
+    admit_q_slot: [K] ledger slot receiving candidate j quantized, NL = none.
     promotions, demotions, evictions: [] int32 counts of Q->F, F->Q and windows evicted.
     """
 
-    fp_win: jax.Array
-    fp_score: jax.Array
-    led_win: jax.Array
-    led_active: jax.Array
-    led_score: jax.Array
-    q2f_target: jax.Array
-    c2f_target: jax.Array
-    f2q_target: jax.Array
-    c2q_target: jax.Array
+    f_win: jax.Array
+    f_score: jax.Array
+    ledger_win: jax.Array
+    ledger_active: jax.Array
+    ledger_score: jax.Array
+    promote_slot: jax.Array
+    admit_f_slot: jax.Array
+    demote_slot: jax.Array
+    admit_q_slot: jax.Array
     promotions: jax.Array
     demotions: jax.Array
     evictions: jax.Array
@@ -121,11 +121,11 @@ def assign_slots(free: jax.Array, newcomer: jax.Array) -> jax.Array:
 
 
 def plan_routing(
-    fp_win: jax.Array,
-    fp_score: jax.Array,
-    led_win: jax.Array,
-    led_active: jax.Array,
-    led_score: jax.Array,
+    f_win: jax.Array,
+    f_score: jax.Array,
+    ledger_win: jax.Array,
+    ledger_active: jax.Array,
+    ledger_score: jax.Array,
     *,
     cand_win: jax.Array,
     cand_score: jax.Array,
@@ -136,27 +136,27 @@ def plan_routing(
 ) -> RoutingPlan:
     """Plan one routing event for one row.
 
-    fp_win, fp_score: [NF] (win -1 = empty). led_win, led_score: [NL], led_active: [NL] bool.
+    f_win, f_score: [NF] (win -1 = empty). ledger_win, ledger_score: [NL], ledger_active: [NL] bool.
     cand_win, cand_score: [K] (win -1 = no candidate). nq: the most active Q windows (<= NL); the Q tier
     holds at most ``min(nq, NL - dormant entries after the event)`` (see the module docstring).
     spill: windows are ranked by ``windows.spilled_key`` over the windows taking part (ids < num_windows);
     the scores the plan stores are the windows' own.
     """
-    nf, nl, k = fp_win.shape[0], led_win.shape[0], cand_win.shape[0]
-    f_valid = fp_win >= 0
-    q_valid = led_active & (led_win >= 0)
+    nf, nl, k = f_win.shape[0], ledger_win.shape[0], cand_win.shape[0]
+    f_valid = f_win >= 0
+    q_valid = ledger_active & (ledger_win >= 0)
     c_valid = cand_win >= 0
     valid = jnp.concatenate([f_valid, q_valid, c_valid])
-    score = jnp.concatenate([fp_score, led_score, cand_score]).astype(jnp.float32)
-    key = spilled_key(jnp.concatenate([fp_win, led_win, cand_win]), score, valid, spill, num_windows)
+    score = jnp.concatenate([f_score, ledger_score, cand_score]).astype(jnp.float32)
+    key = spilled_key(jnp.concatenate([f_win, ledger_win, cand_win]), score, valid, spill, num_windows)
     is_q = jnp.concatenate([jnp.zeros(nf, bool), jnp.ones(nl, bool), jnp.zeros(k, bool)])
     f_eligible = valid if promotion else valid & ~is_q
     in_f = top_members(key, f_eligible, nf)
     f_in_f, q_in_f, c_in_f = jnp.split(in_f, [nf, nf + nl])
 
     # ledger: each F window's dormant entry, if it has one; which entries are dormant after the event
-    dormant = (led_win >= 0) & ~led_active
-    match = (fp_win[:, None] == led_win[None, :]) & f_valid[:, None] & dormant[None, :]  # [NF, NL]
+    dormant = (ledger_win >= 0) & ~ledger_active
+    match = (f_win[:, None] == ledger_win[None, :]) & f_valid[:, None] & dormant[None, :]  # [NF, NL]
     has_dormant = match.any(axis=1)
     keep_dormant = (match & f_in_f[:, None]).any(axis=0)  # [NL] F window stays in F: entry stays dormant
     promoted = q_valid & q_in_f  # [NL] turns dormant
@@ -168,16 +168,16 @@ def plan_routing(
     gone = valid & ~in_f & ~in_q
     f_in_q, q_in_q, c_in_q = jnp.split(in_q, [nf, nf + nl])
     f_gone, q_gone, _ = jnp.split(gone, [nf, nf + nl])
-    q_score = led_score.astype(jnp.float32)
+    q_score = ledger_score.astype(jnp.float32)
 
     # F slots: frees first (F -> Q, F -> E), then promotions and candidates take the free slots
     f_free = ~f_valid | f_in_q | f_gone
     f_new = jnp.concatenate([q_in_f, c_in_f])
     f_target = assign_slots(f_free, f_new)
-    q2f_target, c2f_target = jnp.split(f_target, [nl])
-    new_fp_win = jnp.where(f_in_f, fp_win, -1)
-    new_fp_win = new_fp_win.at[f_target].set(jnp.concatenate([led_win, cand_win]), mode="drop")
-    new_fp_score = jnp.where(f_in_f, fp_score, 0.0)
+    promote_slot, admit_f_slot = jnp.split(f_target, [nl])
+    new_fp_win = jnp.where(f_in_f, f_win, -1)
+    new_fp_win = new_fp_win.at[f_target].set(jnp.concatenate([ledger_win, cand_win]), mode="drop")
+    new_fp_score = jnp.where(f_in_f, f_score, 0.0)
     new_fp_score = new_fp_score.at[f_target].set(jnp.concatenate([q_score, cand_score]), mode="drop")
 
     # ledger slots: everything not kept (evicted Q windows, dormant entries of windows evicted from F, free
@@ -187,27 +187,27 @@ def plan_routing(
     freed = ~(keep_active | reactivate | keep_dormant | promoted)
     q_new = jnp.concatenate([f_in_q & ~has_dormant, c_in_q])
     q_target = assign_slots(freed, q_new)
-    f2q_target, c2q_target = jnp.split(q_target, [nf])
+    demote_slot, admit_q_slot = jnp.split(q_target, [nf])
 
-    react_score = jnp.sum(jnp.where(match & f_in_q[:, None], fp_score[:, None], 0.0), axis=0)
-    new_led_win = jnp.where(freed, -1, led_win)
-    new_led_win = new_led_win.at[q_target].set(jnp.concatenate([fp_win, cand_win]), mode="drop")
+    react_score = jnp.sum(jnp.where(match & f_in_q[:, None], f_score[:, None], 0.0), axis=0)
+    new_led_win = jnp.where(freed, -1, ledger_win)
+    new_led_win = new_led_win.at[q_target].set(jnp.concatenate([f_win, cand_win]), mode="drop")
     new_led_active = keep_active | reactivate
     new_led_active = new_led_active.at[q_target].set(True, mode="drop")
     new_led_score = jnp.where(reactivate, react_score, jnp.where(keep_active, q_score, 0.0))
-    new_led_score = new_led_score.at[q_target].set(jnp.concatenate([fp_score, cand_score]), mode="drop")
+    new_led_score = new_led_score.at[q_target].set(jnp.concatenate([f_score, cand_score]), mode="drop")
 
     count = lambda x: jnp.sum(x, dtype=jnp.int32)
     return RoutingPlan(
-        fp_win=new_fp_win,
-        fp_score=new_fp_score,
-        led_win=new_led_win,
-        led_active=new_led_active,
-        led_score=new_led_score,
-        q2f_target=q2f_target,
-        c2f_target=c2f_target,
-        f2q_target=f2q_target,
-        c2q_target=c2q_target,
+        f_win=new_fp_win,
+        f_score=new_fp_score,
+        ledger_win=new_led_win,
+        ledger_active=new_led_active,
+        ledger_score=new_led_score,
+        promote_slot=promote_slot,
+        admit_f_slot=admit_f_slot,
+        demote_slot=demote_slot,
+        admit_q_slot=admit_q_slot,
         promotions=count(promoted),
         demotions=count(f_valid & f_in_q),
         evictions=count(gone),
@@ -216,7 +216,7 @@ def plan_routing(
 
 def plan_counts(plan: RoutingPlan, nl: int) -> jax.Array:
     """[...] int32: the F windows a plan quantizes (fresh demotions) or dequantizes (promotions), the larger."""
-    fresh = jnp.sum(plan.f2q_target < nl, axis=-1, dtype=jnp.int32)
+    fresh = jnp.sum(plan.demote_slot < nl, axis=-1, dtype=jnp.int32)
     return jnp.maximum(fresh, plan.promotions)
 
 
@@ -240,8 +240,8 @@ def plan_for_row(
 ) -> RoutingPlan:
     """``plan_routing`` of one row of a ``TieredCache`` against candidates cand_win, cand_score [K]."""
     return plan_routing(
-        row.fp_win,
-        row.fp_score,
+        row.f_win,
+        row.f_score,
         row.ledger.win,
         row.ledger.active,
         row.ledger.score,
@@ -259,10 +259,10 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, Cand
     recent region)."""
     caps = row.caps
     cand_win, ring_slot = ring_candidates(row)
-    hkv, _, d = row.local_k.shape
-    cand_k = row.local_k.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
-    cand_v = row.local_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
-    cand_score = ranking.candidate_score(row.loc_score[ring_slot], cand_k.swapaxes(0, 1))
+    hkv, _, d = row.ring_k.shape
+    cand_k = row.ring_k.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
+    cand_v = row.ring_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
+    cand_score = ranking.candidate_score(row.ring_score[ring_slot], cand_k.swapaxes(0, 1))
     plan = plan_for_row(row, cand_win, cand_score, promotion, ranking.spill)
     return plan, Candidates(cand_k, cand_v, cand_win)
 
@@ -270,24 +270,24 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, Cand
 def idle_plan(row: Any) -> tuple[RoutingPlan, Candidates]:
     """``plan_row``'s outputs for a step without an event: nothing moves, the metadata stays, no candidate."""
     caps = row.caps
-    nf, nl, k = row.fp_win.shape[0], row.ledger.win.shape[0], caps.max_candidates
-    hkv, _, d = row.local_k.shape
+    nf, nl, k = row.f_win.shape[0], row.ledger.win.shape[0], caps.max_candidates
+    hkv, _, d = row.ring_k.shape
     zero = jnp.int32(0)
     plan = RoutingPlan(
-        fp_win=row.fp_win,
-        fp_score=row.fp_score.astype(jnp.float32),
-        led_win=row.ledger.win,
-        led_active=row.ledger.active,
-        led_score=row.ledger.score.astype(jnp.float32),
-        q2f_target=jnp.full((nl,), nf, jnp.int32),
-        c2f_target=jnp.full((k,), nf, jnp.int32),
-        f2q_target=jnp.full((nf,), nl, jnp.int32),
-        c2q_target=jnp.full((k,), nl, jnp.int32),
+        f_win=row.f_win,
+        f_score=row.f_score.astype(jnp.float32),
+        ledger_win=row.ledger.win,
+        ledger_active=row.ledger.active,
+        ledger_score=row.ledger.score.astype(jnp.float32),
+        promote_slot=jnp.full((nl,), nf, jnp.int32),
+        admit_f_slot=jnp.full((k,), nf, jnp.int32),
+        demote_slot=jnp.full((nf,), nl, jnp.int32),
+        admit_q_slot=jnp.full((k,), nl, jnp.int32),
         promotions=zero,
         demotions=zero,
         evictions=zero,
     )
-    cand = jnp.zeros((hkv, k, caps.window, d), row.local_k.dtype)
+    cand = jnp.zeros((hkv, k, caps.window, d), row.ring_k.dtype)
     return plan, Candidates(cand, cand, jnp.full((k,), -1, jnp.int32))
 
 

@@ -47,12 +47,12 @@ def prefill_layer(
     b, t = q.shape[:2]
     lengths = cache.length
     out, mass, q, k, v = shared_prompt_attention(q, k, v, lengths, ctx, config.prefill_chunk)
-    nwp = max(0, -(-(t - s) // w))
+    num_prompt_windows = max(0, -(-(t - s) // w))
     prompt = PromptPass.of_layer(q, k, v, lengths=lengths, column_mass=mass, ctx=ctx)
-    scores = ranking.prefill_window_scores(prompt, sink=s, window=w, num_windows=nwp)  # [B, NWP]
+    scores = ranking.prefill_window_scores(prompt, sink=s, window=w, num_windows=num_prompt_windows)  # [B, NWP]
 
     routed = jnp.maximum(0, jnp.floor_divide(lengths - s - caps.recent, w))  # [B] windows leaving the prompt
-    win_ids = jnp.arange(nwp, dtype=jnp.int32)
+    win_ids = jnp.arange(num_prompt_windows, dtype=jnp.int32)
     cand_win = jnp.where(win_ids[None] < routed[:, None], win_ids[None], -1)  # [B, NWP]
     # the tiers are empty: no window is demoted or promoted, so only candidates move (F copy or quantized)
     plan = jax.vmap(
@@ -66,9 +66,9 @@ def prefill_layer(
     rw = caps.ring_windows
     slot_ids = jnp.arange(rw, dtype=jnp.int32)
     slot_win = routed[:, None] + jnp.mod(slot_ids[None] - routed[:, None], rw)  # [B, RW]
-    loc_score = jnp.take_along_axis(jnp.pad(scores, ((0, 0), (0, 1))), jnp.clip(slot_win, 0, nwp), axis=1)
-    loc_score = jnp.where(s + slot_win * w < lengths[:, None], loc_score, 0.0)
-    cache = cache.replace(loc_score=loc_score.astype(jnp.float32))
+    ring_score = jnp.take_along_axis(jnp.pad(scores, ((0, 0), (0, 1))), jnp.clip(slot_win, 0, num_prompt_windows), axis=1)
+    ring_score = jnp.where(s + slot_win * w < lengths[:, None], ring_score, 0.0)
+    cache = cache.replace(ring_score=ring_score.astype(jnp.float32))
     return out, cache
 
 
@@ -88,17 +88,17 @@ def kept_windows(
     plan: [B]-batched ``RoutingPlan`` of the candidates cand_win [B, NWP] (-1 = none); k, v [B, T, Hkv, D].
     Only the M = min(NWP, NF + NL) windows that go to F or Q are copied out of k and v (the others are
     evicted and never read), so the placement's temporaries scale with the cache, not with the prompt.
-    Returns (the plan with ``c2f_target``/``c2q_target`` over them [B, M]; the candidates: their keys and
+    Returns (the plan with ``admit_f_slot``/``admit_q_slot`` over them [B, M]; the candidates: their keys and
     values [B, Hkv, M, W, D] and window ids [B, M], -1 = none).
     """
-    b, nwp = cand_win.shape
-    m = min(nwp, nf + nl)
-    keep = (plan.c2f_target < nf) | (plan.c2q_target < nl)  # [B, NWP]
+    b, num_prompt_windows = cand_win.shape
+    m = min(num_prompt_windows, nf + nl)
+    keep = (plan.admit_f_slot < nf) | (plan.admit_q_slot < nl)  # [B, NWP]
     pick = jax.vmap(lambda row: compact(row, m))(keep)  # [B, M], NWP = none
-    sel = jnp.clip(pick, 0, max(nwp - 1, 0))
-    none = pick >= nwp
+    sel = jnp.clip(pick, 0, max(num_prompt_windows - 1, 0))
+    none = pick >= num_prompt_windows
     take = lambda a, fill: jnp.where(none, fill, jnp.take_along_axis(a, sel, axis=1))
-    plan = plan._replace(c2f_target=take(plan.c2f_target, nf), c2q_target=take(plan.c2q_target, nl))
+    plan = plan._replace(admit_f_slot=take(plan.admit_f_slot, nf), admit_q_slot=take(plan.admit_q_slot, nl))
     tok = (sink + sel[:, :, None] * window + jnp.arange(window, dtype=jnp.int32)).reshape(b, m * window)
     tok = jnp.clip(tok, 0, k.shape[1] - 1)[:, :, None, None]
 
@@ -122,7 +122,7 @@ def tier_attention(
 ) -> TierAttention:
     """Attention of one decode query per head q [B, Hkv, G, D] (post-RoPE, at q_pos [B]) over all tiers:
     the normalized output and the head-mean mass per sink token, F slot, ledger slot and ring window
-    (``local_mass`` [B, RW]: the ring's W-token windows, window w in slot w % RW).
+    (``ring_mass`` [B, RW]: the ring's W-token windows, window w in slot w % RW).
 
     The cache must already hold the current token (in the sink or the ring) and ``length = q_pos + 1``.
     ``use_kernel``: the Pallas kernels (``pallas_kernels.fused_attention.fused_partials()``; not with a
@@ -131,24 +131,24 @@ def tier_attention(
     """
     caps = cache.caps
     s, w = caps.sink, caps.window
-    b, nf = cache.fp_win.shape
+    b, nf = cache.f_win.shape
     sink_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     sink_ok = (sink_pos <= q_pos[:, None]) & window_mask(q_pos, sink_pos, sliding_window)
-    fp_ok = cache.fp_win >= 0  # [B, NF]
+    f_ok = cache.f_win >= 0  # [B, NF]
     if sliding_window is not None:
-        fp_pos = (s + cache.fp_win[:, :, None] * w + jnp.arange(w, dtype=jnp.int32)).reshape(b, nf * w)
-        fp_ok = fp_ok[:, :, None] & window_mask(q_pos, fp_pos, sliding_window).reshape(b, nf, w)
+        f_pos = (s + cache.f_win[:, :, None] * w + jnp.arange(w, dtype=jnp.int32)).reshape(b, nf * w)
+        f_ok = f_ok[:, :, None] & window_mask(q_pos, f_pos, sliding_window).reshape(b, nf, w)
     ledger = cache.ledger
     start = ledger.slot_start(s, w)
     # a Q window takes part while its last token is inside the sliding window (slot granularity)
-    led_ok = ledger.active & window_mask(q_pos, start + w - 1, sliding_window)
-    loc_pos = ring_positions(cache.length, caps)
-    loc_ok = ring_valid(cache.length, cache.next_win, caps) & window_mask(q_pos, loc_pos, sliding_window)
+    ledger_ok = ledger.active & window_mask(q_pos, start + w - 1, sliding_window)
+    ring_pos = ring_positions(cache.length, caps)
+    ring_ok = ring_valid(cache.length, cache.next_win, caps) & window_mask(q_pos, ring_pos, sliding_window)
     tiers = (
         DenseTier(cache.sink_k, cache.sink_v, sink_ok),
-        DenseTier(cache.fp_k, cache.fp_v, fp_ok),
-        QuantTier(ledger.codes, start, led_ok),
-        DenseTier(cache.local_k, cache.local_v, loc_ok),
+        DenseTier(cache.f_k, cache.f_v, f_ok),
+        QuantTier(ledger.codes, start, ledger_ok),
+        DenseTier(cache.ring_k, cache.ring_v, ring_ok),
     )
     if use_kernel and sliding_window is None:
         partials = functools.partial(fused_partials(), window=w, fmt=caps.format)
@@ -160,10 +160,11 @@ def tier_attention(
     specs = (ROW_HEADS, (dense, dense, QuantTier(ROW_HEADS, ROWS, ROWS), dense), REPLICATED)
 
     def shard_partials(q_, tiers_, f):
-        sink, fp, led, loc = partials(q_, *tiers_, f)
+        sink, f_tier, q_tier, ring = partials(q_, *tiers_, f)
         # the ring's mass per window (all the scores take), summed before the head mean: on a mesh the
         # cross-device reduction of the masses carries W times fewer ring values
-        return [sink, fp, led, loc._replace(mass=loc.mass.reshape(*loc.mass.shape[:-1], -1, w).sum(-1))]
+        ring = ring._replace(mass=ring.mass.reshape(*ring.mass.shape[:-1], -1, w).sum(-1))
+        return [sink, f_tier, q_tier, ring]
 
     per_shard = on_shards(
         shard_partials,
@@ -194,7 +195,7 @@ def decode_layer(
     starts_window = (pos >= s) & (jnp.mod(pos - s, w) == 0)
     fresh = (jnp.arange(caps.ring_windows)[None] == rw_slot[:, None]) & starts_window[:, None]
     cache = write_token(cache, pos, kx, vx)
-    cache = cache.replace(loc_score=jnp.where(fresh, 0.0, cache.loc_score))
+    cache = cache.replace(ring_score=jnp.where(fresh, 0.0, cache.ring_score))
     qg = q[:, 0].reshape(b, hkv, h // hkv, d)
     att = tier_attention(qg, cache, pos, ctx.inv_freq, ctx.cfg.sliding_window, use_kernel)
     # deferred head mean: per KV head, on its own device, the scores take this step's dynamics with no mass
@@ -202,16 +203,16 @@ def decode_layer(
     deferred = caps.deferred_head_mean
     mass = lambda m, score: jnp.zeros_like(score) if deferred else m
     cache = cache.replace(
-        fp_score=ranking.update(cache.fp_score, mass(att.fp_mass, cache.fp_score)),
+        f_score=ranking.update(cache.f_score, mass(att.f_mass, cache.f_score)),
         ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, mass(att.q_mass, cache.ledger.score))),
-        loc_score=ranking.update(cache.loc_score, mass(att.local_mass, cache.loc_score)),  # [B, RW]
+        ring_score=ranking.update(cache.ring_score, mass(att.ring_mass, cache.ring_score)),  # [B, RW]
         steps=cache.steps + 1,
     )
     if deferred:
         cache = cache.replace(
-            fp_pending=ranking.update(cache.fp_pending, att.fp_mass),
+            f_pending=ranking.update(cache.f_pending, att.f_mass),
             q_pending=ranking.update(cache.q_pending, att.q_mass),
-            loc_pending=ranking.update(jnp.where(fresh[:, None], 0.0, cache.loc_pending), att.local_mass),
+            ring_pending=ranking.update(jnp.where(fresh[:, None], 0.0, cache.ring_pending), att.ring_mass),
         )
     return att.out.reshape(b, 1, h, d).astype(q.dtype), cache
 
@@ -232,15 +233,15 @@ def fold_head_means(cache: TieredCache, due: jax.Array | None = None) -> TieredC
         return summed, tuple(jnp.zeros_like(p) for p in pending)
 
     parts = (
-        (cache.fp_score, cache.ledger.score, cache.loc_score),
-        (cache.fp_pending, cache.q_pending, cache.loc_pending),
+        (cache.f_score, cache.ledger.score, cache.ring_score),
+        (cache.f_pending, cache.q_pending, cache.ring_pending),
     )
-    (fp, q, loc), (fp_p, q_p, loc_p) = fold(parts) if due is None else jax.lax.cond(due, fold, lambda x: x, parts)
+    scores, pending = fold(parts) if due is None else jax.lax.cond(due, fold, lambda x: x, parts)
     return cache.replace(
-        fp_score=fp,
-        ledger=cache.ledger.replace(score=q),
-        loc_score=loc,
-        fp_pending=fp_p,
-        q_pending=q_p,
-        loc_pending=loc_p,
+        f_score=scores[0],
+        ledger=cache.ledger.replace(score=scores[1]),
+        ring_score=scores[2],
+        f_pending=pending[0],
+        q_pending=pending[1],
+        ring_pending=pending[2],
     )

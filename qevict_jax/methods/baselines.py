@@ -44,6 +44,7 @@ from qevict_jax.core.cache import PoolCache, SizedByCapacities
 from qevict_jax.core.config import CacheConfig, Capacities
 from qevict_jax.core.kv import CacheRequest
 from qevict_jax.engines.pool import UNIFORM, Allocation, pool_decode_layer, pool_prefill_layer, route_pool_row
+from qevict_jax.methods.full import Compressing
 from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.rankings.scoring import CumulativeAllRanking, KeyNormRanking, RestKVRanking, TokenRanking
 from qevict_jax.rankings.token_rankings import CriticalKVRanking, SnapKVRanking, TOVARanking
@@ -93,7 +94,7 @@ def kivi(*, bits: int) -> WindowMethod:
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolMethod(SizedByCapacities, abc.ABC):
+class PoolMethod(SizedByCapacities, Compressing, abc.ABC):
     """Shared base of the per-head token-pool baselines (the token-pool engine): sizing, prefill, decode.
 
     A policy is its ``ranking`` (token scores at the prompt end, their update at decode) and its

@@ -97,9 +97,9 @@ def _rescale(cache: TieredCache, to_scores: bool) -> TieredCache:
     ring = ring_window_ids(cache.next_win, caps.ring_windows)
     f = (lambda x, a: x * a) if to_scores else (lambda x, a: x / a)
     return cache.replace(
-        fp_score=f(cache.fp_score, age(cache.fp_win)),
+        f_score=f(cache.f_score, age(cache.f_win)),
         ledger=cache.ledger.replace(score=f(cache.ledger.score, age(cache.ledger.win))),
-        loc_score=f(cache.loc_score, age(ring)),
+        ring_score=f(cache.ring_score, age(ring)),
     )
 
 
@@ -155,8 +155,8 @@ class GateQEvict(WindowMethod):
         slot = jnp.mod(jnp.floor_divide(pos - s, w), caps.ring_windows)
         here = (jnp.arange(caps.ring_windows)[None] == slot[:, None]) & (pos >= s)[:, None]  # [B, RW]
         first = here & (jnp.mod(pos - s, w) == 0)[:, None]
-        loc = jnp.where(here, jnp.maximum(cache.loc_score, lb), cache.loc_score)
-        return out, cache.replace(loc_score=jnp.where(first, lb, loc))
+        loc = jnp.where(here, jnp.maximum(cache.ring_score, lb), cache.ring_score)
+        return out, cache.replace(ring_score=jnp.where(first, lb, loc))
 
     def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
         """A routing event at t = length: keys -> scores, the window engine's routing, scores -> keys. With

@@ -23,6 +23,7 @@ from qevict_jax.core.kv import CacheRequest
 from qevict_jax.core.sharding import DATA, REPLICATED, on_shards, row_specs
 from qevict_jax.engines.migrate import route_stacked
 from qevict_jax.engines.window import decode_layer, fold_head_means, prefill_layer
+from qevict_jax.methods.full import Compressing
 from qevict_jax.rankings.scoring import Ranking, make_ranking
 
 QEVICT_OPTIONS = (
@@ -49,7 +50,7 @@ QEVICT_OPTIONS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class WindowMethod(SizedByCapacities):
+class WindowMethod(SizedByCapacities, Compressing):
     """A method of the window engine: its ranking (``cache.ranking`` and the options of the ranking) ×
     its ``allocation`` of the budget (``budget.WindowAllocation``) over the F / Q / evicted window tiers
     (``engines.window``, ``engines.routing``). QEvict (arXiv 2608.05326), R1-R4, StreamingLLM and KIVI are

@@ -14,9 +14,10 @@ import numpy as np
 
 from qevict_jax.core.cache import SinkRingCache, TieredCache
 from qevict_jax.core.config import CacheConfig
-from qevict_jax.core.kv import FullKV, KVMethod
+from qevict_jax.core.kv import KVMethod
 from qevict_jax.core.sharding import to_host
 from qevict_jax.methods.baselines import BASELINES
+from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.gate_methods import GATE_METHODS
 from qevict_jax.methods.qevict import VARIANTS, WindowMethod
 
@@ -103,7 +104,7 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     promotions, demotions, evictions: per row, summed over layers (windows, or pool tokens; prefill
     evictions included; a pool never promotes or demotes). f_fill, q_fill: occupied F slots / NF and active
     Q windows / NQ, mean over layers and rows (nan when the tier has no slot). dormant: dormant ledger
-    entries, summed over layers and rows. local_tokens: per row, tokens in the ring not yet routed (layer 0).
+    entries, summed over layers and rows. ring_tokens: per row, tokens in the ring not yet routed (layer 0).
     """
     if not isinstance(cache, SinkRingCache):
         zeros = [0] * int(cache.length.shape[-1])
@@ -116,7 +117,7 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     stats = {
         "routing_events": to_host(cache.routing_events)[0].tolist(),
         "evictions": per_row(cache.evictions),
-        "local_tokens": np.maximum(0, length - np.maximum(routed_end, caps.sink)).tolist(),
+        "ring_tokens": np.maximum(0, length - np.maximum(routed_end, caps.sink)).tolist(),
         "nf": caps.nf,
         "nq": caps.nq,
         "nl": caps.nl,
@@ -124,15 +125,15 @@ def cache_stats(cache: Any) -> dict[str, Any]:
     if not isinstance(cache, TieredCache):
         zeros = [0] * len(length)
         return stats | {"promotions": zeros, "demotions": zeros, "dormant": 0}
-    fp_win = to_host(cache.fp_win)
-    led_win = to_host(cache.ledger.win)
+    f_win = to_host(cache.f_win)
+    ledger_win = to_host(cache.ledger.win)
     active = to_host(cache.ledger.active)
     return stats | {
         "promotions": per_row(cache.promotions),
         "demotions": per_row(cache.demotions),
-        "f_fill": float((fp_win >= 0).mean()) if caps.nf else float("nan"),
+        "f_fill": float((f_win >= 0).mean()) if caps.nf else float("nan"),
         "q_fill": float(active.sum(-1).mean() / caps.nq) if caps.nq else float("nan"),
-        "dormant": int(((led_win >= 0) & ~active).sum()),
+        "dormant": int(((ledger_win >= 0) & ~active).sum()),
     }
 
 

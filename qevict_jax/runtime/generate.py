@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from models.model import Transformer
-from qevict_jax.core.kv import DEFAULT_KV_DTYPE, FullKV, KVMethod, cache_nbytes, full_kv_bytes
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod, cache_nbytes, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state, to_host
 from qevict_jax.runtime.compiled import EXECUTABLES, chunk_capacity
 from qevict_jax.runtime.decode import decode_jit, teacher_forced_jit
@@ -72,7 +72,12 @@ def generate(
     """
     if past is not None and method is not None and method == past.requested_method:
         method = past.method  # the method that built the cache (Full-KV where nothing was compressed)
-    method = method or (past.method if past is not None else None) or FullKV()
+    method = method or (past.method if past is not None else None)
+    if method is None:
+        raise ValueError(
+            "generate needs a KV method: FullKV() (qevict_jax.methods.full) for the uncompressed cache, or "
+            "one from qevict_jax.methods.registry.make_method; a continued conversation (past) reuses its own"
+        )
     if past is None:
         return generate_shared(
             model,
@@ -237,14 +242,13 @@ def lower_prefill(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
     sampler: SamplerConfig,
-    method: KVMethod | None = None,
+    method: KVMethod,
     budget_rounding: str = "bucket",
     kv_dtype: Any = DEFAULT_KV_DTYPE,
 ) -> Any:
     """The jitted prefill that ``generate(model, prompts, sampler, method, ...)`` runs, lowered for these
     prompts and not run: ``.compile().memory_analysis()`` is XLA's buffer assignment of that prefill, what
     ``bench/throughput.py`` reports as its peak, without a prompt pass."""
-    method = method or FullKV()
     check_prompts(prompts, model.cfg, sampler)
     tokens, lengths = pad_prompts(prompts)
     budget_tokens = tokens_for_budget(method, lengths, sampler.max_new_tokens, budget_rounding)
@@ -335,7 +339,7 @@ def _continue(
         next_positions=(positions + steps).tolist(),
         pending=out[:, steps].tolist(),
         kv_dtype=kv_dtype,
-        compressed=not isinstance(method, FullKV),
+        compressed=method.compresses,
         requested_method=method,
     )
 
@@ -351,7 +355,7 @@ def teacher_forced(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
     targets: np.ndarray,
-    method: KVMethod | None = None,
+    method: KVMethod,
     budget_rounding: str = "bucket",
     kv_dtype: Any = DEFAULT_KV_DTYPE,
 ) -> TeacherForcedResult:
@@ -360,7 +364,6 @@ def teacher_forced(
     The method's cache is built from the prompt and then updated by every target token, exactly as in
     decoding, so its next-token distributions can be compared with Full-KV's (fidelity).
     """
-    method = method or FullKV()
     targets = np.asarray(targets, np.int32)
     if targets.ndim != 2 or targets.shape[0] != len(prompts):
         raise ValueError(f"targets must be [B={len(prompts)}, T], got shape {targets.shape}")

@@ -18,7 +18,7 @@ from flax import nnx
 from models.attention import prompt_attention
 from models.model import Transformer
 from qevict_jax.core.budget import BudgetTooSmallError
-from qevict_jax.core.kv import CacheRequest, FullKV, KVMethod, full_kv_bytes
+from qevict_jax.core.kv import CacheRequest, KVMethod, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context
 from qevict_jax.runtime.compiled import bucket_floor, bucket_length
 from qevict_jax.runtime.sampling import SamplerConfig, sample
@@ -123,7 +123,7 @@ def fit_method(
     except BudgetTooSmallError as err:
         whole = full_kv_bytes(model_cfg, int(lengths.max()) + max_new_tokens, kv_dtype, len(lengths))
         if err.min_bytes >= whole or err.min_beta > 1:  # no beta in (0, 1] could compress it
-            return Fit(FullKV(), False)
+            return Fit(method.uncompressed(), False)
         shrink = (
             " shrink the recent region (option recent, e.g. recent=32)," if "recent" in method.options else ""
         )
@@ -133,7 +133,7 @@ def fit_method(
             f"{err.budget_bytes} bytes, and its smallest cache ({err.holds}) needs {err.min_bytes}; raise the "
             f"budget to β >= {err.min_beta:.4f},{shrink} or use the method full"
         ) from err
-    return Fit(method, not isinstance(method, FullKV))
+    return Fit(method, method.compresses)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:

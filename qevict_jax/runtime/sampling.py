@@ -7,6 +7,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from qevict_jax.core.bounds import Bound, check_bounds
+
+SAMPLER_BOUNDS = (
+    Bound("max_new_tokens", lambda v: v >= 1, ">= 1"),
+    Bound("temperature", lambda v: v >= 0, ">= 0"),
+    Bound("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+)
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
@@ -21,12 +28,7 @@ class SamplerConfig:
     eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_bounds(self, SAMPLER_BOUNDS)
 
 
 def sample(logits: jax.Array, rng: jax.Array, sampler: SamplerConfig) -> jax.Array:
