@@ -55,7 +55,8 @@ ALONE = ("full", "qevict", "streamingllm")
 """Methods also run through ``generate`` on their own (its own prefill): their tokens must be the shared ones.
 StreamingLLM is one of them because its tokens on this prompt sit near a tie (its third token flipped once
 between two commits that changed no arithmetic, only how XLA fused the 27-method shared prefill); the pin is
-the tokens its own prefill gives, and this check says when the shared pass stops agreeing with it."""
+the tokens its own prefill gives (the same at 7adf2cc, the commit before the issue-27 refactor, and after it),
+and this check says when the shared pass stops agreeing with it."""
 
 SKIPPED: dict[str, str] = {}
 """Registered methods left out, with why. None: every method runs at β = 0.2 on this prompt. KIVI keeps every
