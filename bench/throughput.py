@@ -65,12 +65,13 @@ from models.checkpoint import load_model
 from models.config import ModelConfig
 from models.model import Transformer, uncached_attend
 from models.registry import resolve_model
-from qevict_jax.core.kv import CacheRequest, KVMethod
+from qevict_jax.core.kv import KVMethod
 from qevict_jax.core.sharding import make_mesh
 from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
-from qevict_jax.runtime.compiled import EXECUTABLES, bucket_floor, bucket_length, decode_step_collective_bytes
+from qevict_jax.runtime.compiled import EXECUTABLES, bucket_length, decode_step_collective_bytes
 from qevict_jax.runtime.generate import GenerationResult, generate, lower_prefill
+from qevict_jax.runtime.prefill import planned_cache
 from qevict_jax.runtime.sampling import SamplerConfig
 
 LLAMA31_8B = ModelConfig(
@@ -139,20 +140,12 @@ def planned_cache_bytes(
 ) -> int:
     """Bytes of the cache ``generate`` builds for these prompt lengths, from ``jax.eval_shape`` (nothing
     allocated): the same constructor, capacity and budget tokens (bucket rounding) as ``generate``."""
-    budget_tokens = bucket_floor(min(lengths)) + new_tokens if method.uses_budget else 0
-    capacity = bucket_length(max(lengths))
-    shapes = jax.eval_shape(
-        lambda: method.init_cache(
-            CacheRequest(
-                model_cfg=cfg,
-                batch=len(lengths),
-                prompt_capacity=capacity,
-                max_new_tokens=new_tokens,
-                dtype=kv_dtype,
-                budget_tokens=budget_tokens,
-            ),
-            jnp.asarray(lengths, jnp.int32),
-        )
+    shapes = planned_cache(
+        method,
+        model_cfg=cfg,
+        lengths=np.asarray(lengths, np.int32),
+        max_new_tokens=new_tokens,
+        kv_dtype=kv_dtype,
     )
     return int(sum(np.prod(s.shape, dtype=np.int64) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
 

@@ -55,14 +55,28 @@ def test_a_short_conversation_continues_with_the_method_that_built_its_cache(mod
 def test_a_sequence_no_beta_up_to_one_could_compress_is_kept_whole():
     """30 tokens + 128 new: compression could save bytes in principle (the smallest cache is below the whole
     sequence's), but only at a beta above 1 of the budget's tokens; no beta in (0, 1] honours it: kept whole."""
-    fit = fit_method(make_method("qevict", 0.2), CFG, np.asarray([30]), 128, "bucket", jnp.bfloat16)
+    fit = fit_method(
+        make_method("qevict", 0.2),
+        model_cfg=CFG,
+        lengths=np.asarray([30]),
+        max_new_tokens=128,
+        budget_rounding="bucket",
+        kv_dtype=jnp.bfloat16,
+    )
     assert isinstance(fit.method, FullKV) and not fit.compressed
 
 
 def test_a_long_prompt_still_compresses_with_the_method_asked_for(model):
     prompt = _prompt(2000)
     method = make_method("qevict", 0.2)
-    fit = fit_method(method, CFG, np.asarray([len(prompt)]), 8, "bucket", jnp.bfloat16)
+    fit = fit_method(
+        method,
+        model_cfg=CFG,
+        lengths=np.asarray([len(prompt)]),
+        max_new_tokens=8,
+        budget_rounding="bucket",
+        kv_dtype=jnp.bfloat16,
+    )
     assert fit.method is method and fit.compressed
     res = generate(model, [prompt], SamplerConfig(max_new_tokens=2), method)
     assert res.compressed and res.method is method and res.memory_ratio <= 0.2
@@ -80,7 +94,14 @@ def test_a_budget_too_small_for_a_compressible_prompt_is_refused_in_its_terms(mo
     assert sum(EXECUTABLES.compilations.values()) == before
     least = float(str(err.value).split("β >= ")[1].split(",")[0])
     assert 0.05 < least <= 1.0
-    fit = fit_method(make_method("qevict", least), CFG, np.asarray([600]), 8, "bucket", jnp.bfloat16)
+    fit = fit_method(
+        make_method("qevict", least),
+        model_cfg=CFG,
+        lengths=np.asarray([600]),
+        max_new_tokens=8,
+        budget_rounding="bucket",
+        kv_dtype=jnp.bfloat16,
+    )
     assert fit.compressed
 
 

@@ -83,7 +83,14 @@ def check_feasible(
         for p in prompts:
             n = len(p.ids)
             try:
-                fit_method(method, model.cfg, np.asarray([n]), p.max_new_tokens, "bucket", kv_dtype)
+                fit_method(
+                    method,
+                    model_cfg=model.cfg,
+                    lengths=np.asarray([n]),
+                    max_new_tokens=p.max_new_tokens,
+                    budget_rounding="bucket",
+                    kv_dtype=kv_dtype,
+                )
             except ValueError as err:
                 problems.append(f"{name} (β={budget}) at a {n}-token prompt: {err}")
     if problems:

@@ -176,7 +176,20 @@ class PoolMethod(SizedByCapacities, Compressing, abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O(PoolMethod):
+class DecodeEviction(PoolMethod, abc.ABC):
+    """A pool policy that evicts during decode, every Ω steps (``omega``), by a ranking with no options of its
+    own (``ranking_type``)."""
+
+    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
+    ranking_type: ClassVar[type[TokenRanking]]
+
+    @property
+    def ranking(self) -> TokenRanking:
+        return self.ranking_type()
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(DecodeEviction):
     """H2O: heavy hitters by cumulative attention + recent tokens, evicted at decode time.
 
     Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs", arXiv 2306.14048.
@@ -188,15 +201,11 @@ class H2O(PoolMethod):
 
     name: str = "h2o"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0.5, omega=1, q_frac=0.0)
-    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
-
-    @property
-    def ranking(self) -> CumulativeAllRanking:
-        return CumulativeAllRanking()
+    ranking_type: ClassVar[type[TokenRanking]] = CumulativeAllRanking
 
 
 @dataclasses.dataclass(frozen=True)
-class TOVA(PoolMethod):
+class TOVA(DecodeEviction):
     """TOVA: evict the token with the lowest attention from the current query, averaged over heads.
 
     Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104. After the prompt the cache keeps the
@@ -207,11 +216,7 @@ class TOVA(PoolMethod):
 
     name: str = "tova"
     cache: CacheConfig = CacheConfig(sink=0, window=1, recent=0, omega=1, q_frac=0.0)
-    options: ClassVar[tuple[str, ...]] = (*PoolMethod.options, "omega")
-
-    @property
-    def ranking(self) -> TOVARanking:
-        return TOVARanking()
+    ranking_type: ClassVar[type[TokenRanking]] = TOVARanking
 
 
 @dataclasses.dataclass(frozen=True)

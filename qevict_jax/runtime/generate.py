@@ -147,7 +147,14 @@ def generate_shared(
     check_batch(len(prompts), mesh)
     full_lengths = np.array([len(p) for p in prompts], np.int32)
     fits = [
-        fit_method(m, model.cfg, full_lengths, sampler.max_new_tokens, budget_rounding, kv_dtype)
+        fit_method(
+            m,
+            model_cfg=model.cfg,
+            lengths=full_lengths,
+            max_new_tokens=sampler.max_new_tokens,
+            budget_rounding=budget_rounding,
+            kv_dtype=kv_dtype,
+        )
         for m in methods
     ]
     requested, methods = methods, [f.method for f in fits]

@@ -77,6 +77,29 @@ def tokens_for_budget(
     return base + max_new_tokens
 
 
+def planned_cache(
+    method: KVMethod,
+    *,
+    model_cfg,
+    lengths: np.ndarray,
+    max_new_tokens: int,
+    kv_dtype: Any,
+    budget_rounding: str = "bucket",
+) -> Any:
+    """The cache ``generate`` builds for prompts of ``lengths`` [B] as a pytree of ``jax.ShapeDtypeStruct``
+    (``jax.eval_shape`` of the method's constructor: nothing is allocated); raises what the sizing raises."""
+    lengths = np.asarray(lengths, np.int32)
+    request = CacheRequest(
+        model_cfg=model_cfg,
+        batch=len(lengths),
+        prompt_capacity=bucket_length(int(lengths.max())),
+        max_new_tokens=max_new_tokens,
+        dtype=kv_dtype,
+        budget_tokens=tokens_for_budget(method, lengths, max_new_tokens, budget_rounding),
+    )
+    return jax.eval_shape(lambda: method.init_cache(request, jnp.asarray(lengths)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """What runs for a batch of prompts: ``method`` (the one asked for, or Full-KV when compressing this
@@ -88,6 +111,7 @@ class Fit:
 
 def fit_method(
     method: KVMethod,
+    *,
     model_cfg,
     lengths: np.ndarray,
     max_new_tokens: int,
@@ -104,22 +128,9 @@ def fit_method(
     checked on the abstract cache (``jax.eval_shape``), so any other sizing error surfaces here too.
     """
     lengths = np.asarray(lengths, np.int32)
-    budget_tokens = tokens_for_budget(method, lengths, max_new_tokens, budget_rounding)
-    capacity = bucket_length(int(lengths.max()))
     try:
-        jax.eval_shape(
-            lambda: method.init_cache(
-                CacheRequest(
-                    model_cfg=model_cfg,
-                    batch=len(lengths),
-                    prompt_capacity=capacity,
-                    max_new_tokens=max_new_tokens,
-                    dtype=kv_dtype,
-                    budget_tokens=budget_tokens,
-                ),
-                jnp.asarray(lengths),
-            )
-        )
+        planned_cache(method, model_cfg=model_cfg, lengths=lengths, max_new_tokens=max_new_tokens,
+                      budget_rounding=budget_rounding, kv_dtype=kv_dtype)  # fmt: skip
     except BudgetTooSmallError as err:
         whole = full_kv_bytes(model_cfg, int(lengths.max()) + max_new_tokens, kv_dtype, len(lengths))
         if err.min_bytes >= whole or err.min_beta > 1:  # no beta in (0, 1] could compress it
@@ -289,7 +300,13 @@ class Fanout:
         """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression."""
         lengths = caches[0].length
         att = prompt_attention(
-            q, k, v, positions=ctx.positions, lengths=lengths, sliding_window=ctx.cfg.sliding_window, chunk=self.chunk
+            q,
+            k,
+            v,
+            positions=ctx.positions,
+            lengths=lengths,
+            sliding_window=ctx.cfg.sliding_window,
+            chunk=self.chunk,
         )
         ctx = dataclasses.replace(ctx, prompt_attention=att)
         pairs = [
