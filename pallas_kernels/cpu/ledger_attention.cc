@@ -23,6 +23,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -537,42 +538,39 @@ ffi::Error RotatedLedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// The arguments both handlers read first: the query, one ledger tier's codes and grids, keys then values
+// (kc, ks, kz, vc, vs, vz; layouts per format in pallas_kernels.quant), and the per-slot validity.
+auto BindQueryAndTier() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // q
+      .Arg<ffi::Buffer<ffi::U8>>()   // kc
+      .Arg<ffi::Buffer<ffi::F16>>()  // ks
+      .Arg<ffi::Buffer<ffi::F16>>()  // kz
+      .Arg<ffi::Buffer<ffi::U8>>()   // vc
+      .Arg<ffi::Buffer<ffi::F16>>()  // vs
+      .Arg<ffi::Buffer<ffi::F16>>()  // vz
+      .Arg<ffi::Buffer<ffi::U8>>();  // valid
+}
+
+// The split-K partials both handlers return: out, m, l and the per-slot attention mass.
+template <typename Binding>
+auto ReturnPartials(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Ret<ffi::Buffer<ffi::F32>>()   // out
+      .template Ret<ffi::Buffer<ffi::F32>>()   // m
+      .template Ret<ffi::Buffer<ffi::F32>>()   // l
+      .template Ret<ffi::Buffer<ffi::F32>>();  // slot_mass
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictLedgerAttention, LedgerAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // kc
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // ks
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // kz
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // vc
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // vs
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // vz
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // valid
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // start
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("bits")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // m
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // l
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // slot_mass
+                              ReturnPartials(BindQueryAndTier()
+                                                 .Arg<ffi::Buffer<ffi::S32>>()  // start
+                                                 .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq
+                                                 .Attr<int64_t>("window")
+                                                 .Attr<int64_t>("bits")));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictRotatedLedgerAttention, RotatedLedgerAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q, rotated
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // kc [B, Hkv, NL, W, D*k_bits/8]
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // ks [B, Hkv, NL, W]
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // kz
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // vc [B, Hkv, NL, W, D*v_bits/8]
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // vs [B, Hkv, NL, W]
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // vz
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // valid [B, NL]
-                                  .Attr<int64_t>("k_bits")
-                                  .Attr<int64_t>("v_bits")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // m
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // l
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // slot_mass
+                              ReturnPartials(BindQueryAndTier().Attr<int64_t>("k_bits").Attr<int64_t>("v_bits")));
