@@ -29,7 +29,7 @@ import dataclasses
 
 from qevict_jax.eval.haystack import HAYSTACKS
 from qevict_jax.eval.metrics import ruler_postprocess, string_match_all
-from qevict_jax.eval.ruler_tasks import TASKS, TOKENS_TO_GENERATE, CountTokens, Request, TaskSpec, fit
+from qevict_jax.eval.ruler_tasks import TASKS, CountTokens, Request, TaskSpec, fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ def task_names() -> list[str]:
 
 def tokens_to_generate(task: str) -> int:
     """RULER's generation length for a task."""
-    return TOKENS_TO_GENERATE[_spec(task).kind]
+    return _spec(task).tokens_to_generate
 
 
 def ruler_score(sample: RulerSample, prediction: str) -> float:
@@ -84,7 +84,7 @@ def ruler_sample(
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     if haystack is not None and haystack not in HAYSTACKS:
         raise ValueError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
-    gen = TOKENS_TO_GENERATE[spec.kind] if tokens_to_generate is None else tokens_to_generate
+    gen = spec.tokens_to_generate if tokens_to_generate is None else tokens_to_generate
     limit = max_seq_length - gen - overhead_tokens
     build = spec.builder(Request(f"{task}:{seed}", haystack, depth, count_tokens, max_seq_length, gen))
     _, parts = fit(build, count_tokens, limit, task, max_seq_length)

@@ -14,6 +14,7 @@ import math
 import random
 import string
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 from qevict_jax.eval.haystack import (
     NEEDLE,
@@ -57,12 +58,6 @@ TEMPLATES = {
         " Answer: According to the coded text above, the three most frequently appeared words are:",
     ),
 }
-TOKENS_TO_GENERATE = {
-    "niah": 128,
-    "variable_tracking": 30,
-    "common_words_extraction": 120,
-    "freq_words_extraction": 50,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +84,7 @@ class NiahSpec:
     num_k: int = 1
     num_v: int = 1
     num_q: int = 1
-    kind: str = "niah"
+    tokens_to_generate: ClassVar[int] = 128  # RULER's generation length for niah
 
     def builder(self, req: Request) -> Builder:
         return _niah_builder(self, req.base, req.haystack or self.haystack, req.depth)
@@ -102,7 +97,7 @@ class VtSpec:
     haystack: str = "noise"
     num_chains: int = 1
     num_hops: int = 4
-    kind: str = "variable_tracking"
+    tokens_to_generate: ClassVar[int] = 30  # RULER's generation length for variable_tracking
 
     def builder(self, req: Request) -> Builder:
         return _vt_builder(self, req.base, req.haystack or self.haystack, req.count_tokens)
@@ -116,7 +111,7 @@ class CweSpec:
     freq_ucw: int = 3
     num_cw: int = 10
     num_fewshot: int = 1
-    kind: str = "common_words_extraction"
+    tokens_to_generate: ClassVar[int] = 120  # RULER's generation length for common_words_extraction
 
     def builder(self, req: Request) -> Builder:
         return _cwe_builder(self, req.base, req.max_seq_length)
@@ -128,7 +123,7 @@ class FweSpec:
 
     alpha: float = 2.0
     coded_wordlen: int = 6
-    kind: str = "freq_words_extraction"
+    tokens_to_generate: ClassVar[int] = 50  # RULER's generation length for freq_words_extraction
 
     def builder(self, req: Request) -> Builder:
         return _fwe_builder(self, req.base, req.max_seq_length - req.tokens_to_generate)
