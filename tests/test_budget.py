@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -51,7 +52,13 @@ def test_real_cache_fits_the_budget(beta, lengths, wb, batch_dtype):
     assert cache_nbytes(cache) <= budget
     caps = cache.caps
     assert caps.nf + caps.nq > 0 and caps.nq <= caps.nl
-    assert cache.f_k.shape[3] == caps.nf and cache.ledger.codes.k_codes.shape[3] == caps.nl
+    layers, hkv = MODEL.num_layers, MODEL.num_kv_heads
+    chex.assert_tree_shape_prefix(  # every ledger entry's codes and grids: [L, B, Hkv, NL, ...]
+        cache.ledger.codes, (layers, batch, hkv, caps.nl)
+    )
+    chex.assert_shape([cache.ledger.win, cache.ledger.active, cache.ledger.score], (layers, batch, caps.nl))
+    chex.assert_shape([cache.f_k_words, cache.f_v_words], (layers, batch, hkv, caps.nf, window, MODEL.head_dim))
+    chex.assert_shape([cache.f_win, cache.f_score], (layers, batch, caps.nf))
     if max(caps.nf, caps.nq) < caps.nw_max:  # the budget binds (no cap by the window count): little is unused
         per_slot = (
             2 * MODEL.num_layers * MODEL.num_kv_heads * window * MODEL.head_dim * jnp.dtype(dtype).itemsize
