@@ -46,7 +46,7 @@ def _prompts(rng: np.random.Generator, lengths: list[int]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "method", [None, make_method("qevict", 0.3, omega=2, recent=16)], ids=["full", "qevict"]
+    "method", [FullKV(), make_method("qevict", 0.3, omega=2, recent=16)], ids=["full", "qevict"]
 )
 def test_streamed_tokens_are_the_returned_tokens(model, method):
     prompts = _prompts(np.random.default_rng(0), [300, 170, 233])
