@@ -155,8 +155,8 @@ class GateQEvict(WindowMethod):
         slot = jnp.mod(jnp.floor_divide(pos - s, w), caps.ring_windows)
         here = (jnp.arange(caps.ring_windows)[None] == slot[:, None]) & (pos >= s)[:, None]  # [B, RW]
         first = here & (jnp.mod(pos - s, w) == 0)[:, None]
-        loc = jnp.where(here, jnp.maximum(cache.ring_score, lb), cache.ring_score)
-        return out, cache.replace(ring_score=jnp.where(first, lb, loc))
+        ring_score = jnp.where(here, jnp.maximum(cache.ring_score, lb), cache.ring_score)
+        return out, cache.replace(ring_score=jnp.where(first, lb, ring_score))
 
     def route(self, cache: TieredCache, inv_freq: jax.Array, due: jax.Array | None = None) -> TieredCache:
         """A routing event at t = length: keys -> scores, the window engine's routing, scores -> keys. With
