@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from pallas_kernels.quant import ChannelKeys, QuantFormat, RotatedTokens
-from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotated_partial
+from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotate_values_back, rotated_partial
 
 SOURCE = Path(__file__).parent / "cpu" / "ledger_attention.cc"
 TARGET = "qevict_ledger_attention"
@@ -158,7 +158,7 @@ def ledger_attention_cpu(
         raise TypeError(f"unknown ledger format {fmt!r}")
     f32 = jnp.float32
     call = jax.ffi.ffi_call(TARGET, _results(q, nl), vmap_method="sequential")
-    return Partial(
+    part = Partial(
         *call(
             q.astype(f32),
             *_code_args(codes),
@@ -167,5 +167,7 @@ def ledger_attention_cpu(
             inv_freq.astype(f32),
             window=window,
             bits=fmt.bits,
+            v_bits=fmt.value_bits,
         )
     )
+    return rotate_values_back(part, fmt)

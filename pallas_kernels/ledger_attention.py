@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quant import ChannelKeys, QuantFormat, QuantizedWindows, RotatedTokens
-from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotated_partial
+from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotate_values_back, rotated_partial
 from pallas_kernels.splitk import (
     DEFAULT_LAUNCH,
     Launch,
@@ -103,11 +103,11 @@ def _dequant_rows(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -
 
 def _ledger_kernel(
     q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, start_ref, valid_ref, freq_ref, outs: PartialRefs,
-    *, window: int, bits: int, plan: SplitPlan,
+    *, window: int, bits: int, v_bits: int, plan: SplitPlan,
 ):  # fmt: skip
-    """One program of the "channel" format. q [G, D]; keys: codes [CH, D, W*bits/8], scale and zero
-    [CH, D] per channel; values: codes [CH, W, D*bits/8], scale and zero [CH, W] per token; start, valid
-    [CH] int32; freq [D/2] f32."""
+    """One program of the "channel" format (``ChannelKeys``). q [G, D]; keys: codes [CH, D, W*bits/8],
+    scale and zero [CH, D] per channel; values: codes [CH, W, D*v_bits/8] (``pack_tokens``), scale and zero
+    [CH, W] per token, in the stored basis; start, valid [CH] int32; freq [D/2] f32."""
     groups, d = q_ref.shape
     half = d // 2
     scale = d**-0.5
@@ -122,7 +122,7 @@ def _ledger_kernel(
         cos, sin = window_cos_sin(start_ref[rows], theta, window)  # [BS, D/2, W]
         kr1 = k1 * cos - k2 * sin
         kr2 = k2 * cos + k1 * sin
-        v = _dequant_rows(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, bits)  # [BS, W, D]
+        v = _dequant_tokens(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, v_bits)  # [BS, W, D]
         logits = [
             jnp.sum(q1[g][None, :, None] * kr1 + q2[g][None, :, None] * kr2, axis=1) for g in range(groups)
         ]
@@ -204,6 +204,8 @@ def _check_ledger_shapes(
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
     if isinstance(fmt, ChannelKeys) and (fmt.bits not in (2, 4) or window % (8 // fmt.bits) or d % 2):
         raise ValueError(f"unsupported bits={fmt.bits}, window={window}, head_dim={d}")
+    if isinstance(fmt, ChannelKeys) and fmt.value_bits == 3 and d % 8:
+        raise ValueError(f"3-bit values need head_dim % 8 == 0, got {d}")
     if isinstance(fmt, RotatedTokens) and d % 8:
         raise ValueError(f"the rotated ledger format needs head_dim % 8 == 0, got {d}")
 
@@ -216,7 +218,7 @@ def ledger_attention(
 
     Same arguments and results as ``pallas_kernels.reference.ledger_partial``: q [B, Hkv, G, D]; tier (codes
     [B, Hkv, NL, ...] in format ``fmt``, slot_start [B, NL] int32, slot_valid [B, NL] bool); inv_freq [D/2]
-    f32. The "channel" format runs ``_ledger_kernel``; ``RotatedTokens`` runs ``_rotated_kernel`` on the
+    f32. ``ChannelKeys`` runs ``_ledger_kernel`` (its output rotated back when the values are rotated); ``RotatedTokens`` runs ``_rotated_kernel`` on the
     rotated query (``reference.rotated_partial``). Returns a ``Partial`` (out [B, Hkv, G, D] unnormalized,
     m, l [B, Hkv, G], mass per slot [B, Hkv, G, NL]), all f32. ``launch``: interpret mode, Triton options,
     the slot split and NaN poisoning (``splitk.Launch``; 8 warps by default).
@@ -230,8 +232,8 @@ def ledger_attention(
     if isinstance(fmt, RotatedTokens):
         return rotated_partial(q, tier, fmt, functools.partial(_rotated_call, launch=launch))
     plan = launch.plan(slots=nl, rows=b * hkv, window=window)
-    return split_attention(
-        functools.partial(_ledger_kernel, window=window, bits=fmt.bits, plan=plan),
+    part = split_attention(
+        functools.partial(_ledger_kernel, window=window, bits=fmt.bits, v_bits=fmt.value_bits, plan=plan),
         q=q,
         slot_inputs=jax.tree.leaves(codes),
         row_inputs=[pad_slots(x.astype(jnp.int32), plan.padded, 0) for x in (slot_start, slot_valid)],
@@ -242,3 +244,4 @@ def ledger_attention(
         default_warps=LEDGER_WARPS,
         name="ledger_attention",
     )
+    return rotate_values_back(part, fmt)

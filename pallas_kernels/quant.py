@@ -17,7 +17,10 @@ then the high bit packed 8 per byte (element i at byte i // 8, shift i % 8), ``3
 Ledger formats (``QuantFormat``; ``quant_format(name, bits)`` builds one from the ``CacheConfig.quant`` name):
 
 - ``ChannelKeys`` ("channel", KIVI's): pre-RoPE keys with one grid per channel over the window, values one
-  grid per token, both ``bits`` wide; attention re-rotates the keys at their positions;
+  grid per token, both ``bits`` wide; attention re-rotates the keys at their positions. "kch2-rotv3" and the
+  like keep those keys (2 bits) and store the values rotated by ``R`` (below) with their own width (3 bits):
+  the rotation spreads the values' outlier channels, the per-channel keys keep Qwen2's per-channel offsets
+  that a per-token grid cannot (docs/quant_study.md); attention rotates the value output back once;
 - ``RotatedTokens`` ("rot-k4v3" and the like): post-RoPE keys and values with every head's channels
   rotated by one fixed orthogonal matrix ``R`` (a randomized Hadamard, QuaRot-style: it spreads outlier
   channels over all channels, so one grid per token fits), one grid per token for both, ``k_bits`` /
@@ -114,6 +117,13 @@ def grid_codes(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array
 def dequantize_groups(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
     """Inverse of ``quantize_groups``: codes [..., N * bits / 8], scale, zero [...] -> x_hat [..., N] f32."""
     c = unpack(codes, bits).astype(jnp.float32)
+    return c * scale.astype(jnp.float32)[..., None] + zero.astype(jnp.float32)[..., None]
+
+
+def dequantize_tokens(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
+    """Per-token groups of ``pack_tokens`` codes [..., N, D*bits/8], scale and zero [..., N] -> [..., N, D]
+    f32 (``bits`` in (2, 3, 4))."""
+    c = unpack_tokens(codes, bits).astype(jnp.float32)
     return c * scale.astype(jnp.float32)[..., None] + zero.astype(jnp.float32)[..., None]
 
 
@@ -243,30 +253,57 @@ def unpack_tokens(packed: jax.Array, bits: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class ChannelKeys:
-    """The KIVI-style ledger format: pre-RoPE keys, one grid per channel over the window; values one grid per
-    token; ``bits`` (2 or 4) for both. Fields [..., N, ...]: k_codes [D, W*bits/8], k_scale / k_zero [D],
-    v_codes [W, D*bits/8], v_scale / v_zero [W]."""
+    """The KIVI-style ledger format: pre-RoPE keys, one grid per channel over the window, ``bits`` (2 or 4)
+    wide; values one grid per token, ``v_bits`` in (2, 3, 4) wide (None: ``bits``), stored times
+    ``channel_rotation(D)`` when ``rotate_values``. Fields [..., N, ...]: k_codes [D, W*bits/8], k_scale /
+    k_zero [D], v_codes [W, D*v_bits/8], v_scale / v_zero [W]."""
 
     bits: int = 2
+    v_bits: int | None = None
+    rotate_values: bool = False
+
+    def __post_init__(self) -> None:
+        _per_byte(self.bits)
+        if self.value_bits not in TOKEN_BITS:
+            raise ValueError(f"value bits must be one of {TOKEN_BITS}, got {self.value_bits}")
+
+    @property
+    def value_bits(self) -> int:
+        return self.bits if self.v_bits is None else self.v_bits
 
     @property
     def name(self) -> str:
-        return "channel"
+        if self.v_bits is None and not self.rotate_values:
+            return "channel"
+        return f"kch{self.bits}-{'rot' if self.rotate_values else ''}v{self.value_bits}"
 
     def field_shapes(self, window: int, d: int) -> QuantizedWindows:
         """Trailing shape (after the window axis N) of every field."""
         per = _per_byte(self.bits)
-        return QuantizedWindows((d, window // per), (d,), (d,), (window, d // per), (window,), (window,))
+        vb = d * self.value_bits // 8
+        return QuantizedWindows((d, window // per), (d,), (d,), (window, vb), (window,), (window,))
 
     def encode(self, k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array) -> QuantizedWindows:
         """Codes of windows k (post-RoPE), v [..., N, W, D] whose first tokens are at ``starts`` [N]."""
-        return quantize_windows(rope_windows(k, starts, inv_freq, -1), v, self.bits)
+        keys = quantize_keys(rope_windows(k, starts, inv_freq, -1), self.bits)
+        v = v.astype(jnp.float32)
+        if self.rotate_values:
+            v = v @ jnp.asarray(channel_rotation(v.shape[-1]))
+        vc, vs, vz = grid_codes(v, self.value_bits)
+        return QuantizedWindows(*keys, pack_tokens(vc, self.value_bits), vs, vz)
+
+    def stored(self, codes: QuantizedWindows) -> tuple[jax.Array, jax.Array]:
+        """(pre-RoPE keys, values in the stored basis: times R when ``rotate_values``) [..., N, W, D] f32."""
+        k = dequantize_keys(codes.k_codes, codes.k_scale, codes.k_zero, self.bits)
+        return k, dequantize_tokens(codes.v_codes, codes.v_scale, codes.v_zero, self.value_bits)
 
     def decode(
         self, codes: QuantizedWindows, starts: jax.Array, inv_freq: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
         """(post-RoPE keys, values) [..., N, W, D] float32 of the codes."""
-        k, v = codes.dequantize(self.bits)
+        k, v = self.stored(codes)
+        if self.rotate_values:
+            v = v @ jnp.asarray(channel_rotation(v.shape[-1])).T
         return rope_windows(k, starts, inv_freq, +1), v
 
 
@@ -302,13 +339,9 @@ class RotatedTokens:
 
     def rotated(self, codes: QuantizedWindows) -> tuple[jax.Array, jax.Array]:
         """(keys, values) [..., N, W, D] float32 in the rotated basis, as attention reads them."""
-        deq = lambda c, s, z, b: (
-            unpack_tokens(c, b).astype(jnp.float32) * s.astype(jnp.float32)[..., None]
-            + z.astype(jnp.float32)[..., None]
-        )
         return (
-            deq(codes.k_codes, codes.k_scale, codes.k_zero, self.k_bits),
-            deq(codes.v_codes, codes.v_scale, codes.v_zero, self.v_bits),
+            dequantize_tokens(codes.k_codes, codes.k_scale, codes.k_zero, self.k_bits),
+            dequantize_tokens(codes.v_codes, codes.v_scale, codes.v_zero, self.v_bits),
         )
 
     def decode(
@@ -321,15 +354,19 @@ class RotatedTokens:
 
 
 QuantFormat = ChannelKeys | RotatedTokens
-QUANT_NAMES = ("channel", "rot-k4v4", "rot-k4v3", "rot-k4v2", "rot-k3v3", "rot-k2v2")
+QUANT_NAMES = (
+    "channel", "kch2-rotv3", "kch2-rotv4", "kch2-rotv2", "rot-k4v4", "rot-k4v3", "rot-k4v2", "rot-k3v3", "rot-k2v2"
+)  # fmt: skip
 
 
 def quant_format(name: str, bits: int = 2) -> QuantFormat:
-    """The ledger format named ``name`` ("channel" takes ``bits``; "rot-kXvY" its own widths)."""
+    """The ledger format named ``name`` ("channel" takes ``bits``; "kch2-rotvY" and "rot-kXvY" their own
+    widths)."""
     if name == "channel":
         _per_byte(bits)
         return ChannelKeys(bits)
-    if name in QUANT_NAMES:
-        k_bits, v_bits = int(name[5]), int(name[7])
-        return RotatedTokens(k_bits, v_bits)
-    raise ValueError(f"unknown ledger format quant={name!r}; available: {', '.join(QUANT_NAMES)}")
+    if name not in QUANT_NAMES:
+        raise ValueError(f"unknown ledger format quant={name!r}; available: {', '.join(QUANT_NAMES)}")
+    if name.startswith("kch"):
+        return ChannelKeys(int(name[3]), v_bits=int(name[-1]), rotate_values=True)
+    return RotatedTokens(int(name[5]), int(name[7]))

@@ -193,13 +193,21 @@ def ledger_partial(
     if not isinstance(fmt, ChannelKeys):
         raise TypeError(f"unknown ledger format {fmt!r}")
     d = q.shape[-1]
-    k, v = codes.dequantize(fmt.bits)  # [B, Hkv, NL, W, D]
+    k, v = fmt.stored(codes)  # [B, Hkv, NL, W, D]
     cos, sin = window_rope_tables(slot_start, window, inv_freq)  # [B, NL, W, D/2]
     half = d // 2
     k1, k2 = k[..., :half], k[..., half:]
     cos, sin = cos[:, None], sin[:, None]  # [B, 1, NL, W, D/2]
     k_rot = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)  # [B, Hkv, NL, W, D]
-    return _slots_partial(q, k_rot, v, slot_valid)
+    return rotate_values_back(_slots_partial(q, k_rot, v, slot_valid), fmt)
+
+
+def rotate_values_back(part: Partial, fmt: ChannelKeys) -> Partial:
+    """A "channel"-keys partial whose values were read in the stored basis: out R^T when the format rotates
+    its values (``ChannelKeys.rotate_values``), else unchanged."""
+    if not fmt.rotate_values:
+        return part
+    return part._replace(out=part.out @ jnp.asarray(channel_rotation(part.out.shape[-1])).T)
 
 
 def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.Array]]:

@@ -90,6 +90,7 @@ def jitted_reference(nl: int, quant: str):
         (2, jnp.bfloat16, True, 1500, "channel"),
         (1, jnp.float32, False, 400, "channel"),
         (1, jnp.bfloat16, True, 1000, "rot-k4v3"),
+        (1, jnp.bfloat16, True, 1000, "kch2-rotv3"),
     ],
 )
 def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events, quant):

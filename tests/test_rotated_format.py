@@ -1,7 +1,7 @@
-"""The rotated per-token ledger format (``pallas_kernels.quant.RotatedTokens``): an orthogonal rotation, exact
-packing, grids that bound the error, attention over its codes (jnp reference, CPU kernel, Pallas kernel in
-interpret mode) equal to float64 attention over the dequantized, un-rotated K/V, its bytes, and a method
-that uses it reproducing Full-KV when everything fits."""
+"""The rotated ledger formats (``pallas_kernels.quant.RotatedTokens``, and ``ChannelKeys`` with rotated values):
+an orthogonal rotation, exact packing, grids that bound the error, attention over their codes (jnp reference,
+CPU kernel, Pallas kernel in interpret mode) equal to float64 attention over the dequantized, un-rotated K/V,
+their bytes, and a method that uses them reproducing Full-KV when everything fits."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ from models.model import Transformer
 from pallas_kernels import cpu_ledger
 from pallas_kernels.ledger_attention import ledger_attention
 from pallas_kernels.quant import (
+    QUANT_NAMES,
     ChannelKeys,
     RotatedTokens,
     channel_rotation,
     pack_tokens,
     quant_format,
+    rope_windows,
     unpack_tokens,
 )
 from pallas_kernels.reference import QuantTier, ledger_partial
@@ -38,6 +40,8 @@ from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.sampling import SamplerConfig
 
 FORMATS = [RotatedTokens(4, 3), RotatedTokens(4, 4), RotatedTokens(4, 2), RotatedTokens(2, 2)]
+# per-channel keys with rotated per-token values, and today's format as the control
+CHANNEL_FORMATS = [ChannelKeys(2, 3, rotate_values=True), ChannelKeys(2, 4, rotate_values=True), ChannelKeys(2)]
 
 
 @pytest.mark.parametrize("d", [64, 128, 48])
@@ -80,6 +84,29 @@ def test_each_token_is_within_half_a_step_of_its_grid(fmt):
     chex.assert_trees_all_close((kd, vd), (kr @ r.T, vr @ r.T), atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", CHANNEL_FORMATS, ids=lambda f: f.name)
+def test_channel_keys_and_rotated_values_are_within_half_a_step_of_their_grids(fmt):
+    """Keys: pre-RoPE, every channel within scale / 2 of its grid over the window; values: in the stored basis
+    (times R when rotated) within scale / 2 of their token's grid; decoding re-applies RoPE and rotates the
+    values back."""
+    rng = np.random.default_rng(5)
+    k = jnp.asarray(rng.standard_normal((2, 5, 8, 64)) * 3, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 5, 8, 64)), jnp.float32)
+    starts = jnp.asarray(rng.integers(0, 300, 5), jnp.int32)
+    inv = jnp.asarray(1.0 / 10000 ** (np.arange(0, 64, 2) / 64), jnp.float32)
+    codes = fmt.encode(k, v, starts, inv)
+    r = channel_rotation(64).astype(np.float64) if fmt.rotate_values else np.eye(64)
+    k_pre = np.asarray(rope_windows(k, starts, inv, -1), np.float64)
+    k_hat, v_hat = (np.asarray(x, np.float64) for x in fmt.stored(codes))
+    k_step = np.asarray(codes.k_scale, np.float64)[..., None, :]  # [.., N, 1, D]: one grid per channel
+    assert (np.abs(k_pre - k_hat) <= k_step / 2 * (1 + 1e-5) + 1e-5).all()
+    v_step = np.asarray(codes.v_scale, np.float64)[..., None]  # [..., N, W, 1]: one grid per token
+    assert (np.abs(np.asarray(v, np.float64) @ r - v_hat) <= v_step / 2 * (1 + 1e-5) + 1e-6).all()
+    kd, vd = fmt.decode(codes, starts, inv)
+    chex.assert_trees_all_close(vd, v_hat @ r.T, atol=1e-5)
+    chex.assert_trees_all_close(kd, rope_windows(jnp.asarray(k_hat, jnp.float32), starts, inv, +1), atol=1e-5)
+
+
 def _attention64(q, k, v, valid):
     """Float64 attention partial of q [B, Hkv, G, D] over slots k, v [B, Hkv, N, W, D], valid [B, N]."""
     s = np.einsum("bkgd,bkntd->bkgnt", q / np.sqrt(q.shape[-1]), k)
@@ -100,7 +127,7 @@ def _kernels():
     return impls
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS + CHANNEL_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("impl", ["reference", "cpu", "pallas"])
 def test_attention_over_rotated_codes_equals_float64_attention_over_the_dequantized_kv(fmt, impl):
     """Every implementation of the Q tier's partial reads the rotated codes (query rotated once, output
@@ -116,12 +143,13 @@ def test_attention_over_rotated_codes_equals_float64_attention_over_the_dequanti
     valid = rng.random((b, nl)) > 0.3
     valid[1] = False  # a row with no valid slot
     inv = jnp.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), jnp.float32)
-    codes = fmt.encode(k, v, starts, inv)
+    head_starts = starts[:, None]  # [B, 1, NL]: the same positions for every KV head of a row
+    codes = fmt.encode(k, v, head_starts, inv)
     q = jnp.asarray(rng.standard_normal((b, hkv, g, d)), jnp.float32)
     got = jax.jit(functools.partial(kernels[impl], window=w, fmt=fmt))(
         q, QuantTier(codes, starts, jnp.asarray(valid)), inv
     )
-    kd, vd = (np.asarray(x, np.float64) for x in fmt.decode(codes, starts, inv))
+    kd, vd = (np.asarray(x, np.float64) for x in fmt.decode(codes, head_starts, inv))
     out, den, mass = _attention64(np.asarray(q, np.float64), kd, vd, valid)
     chex.assert_shape(got.out, (b, hkv, g, d))
     chex.assert_shape(got.mass, (b, hkv, g, nl))
@@ -161,15 +189,19 @@ def test_a_rotated_q_window_costs_its_codes_and_grids():
     assert slot_bytes("rot-k4v3") == heads * 512 + metadata
     assert slot_bytes("rot-k4v4") == heads * (2 * (256 + 32)) + metadata
     assert slot_bytes("rot-k4v2") == heads * (256 + 32 + 128 + 32) + metadata
+    # channel keys (128 B of codes, 256 B of grids) with 3-bit rotated values (8 x 24 + 32 B)
+    assert slot_bytes("kch2-rotv3") == heads * (128 + 256 + 192 + 32) + metadata
 
 
 def test_format_names_are_checked():
     assert quant_format("rot-k4v3") == RotatedTokens(4, 3) and quant_format("channel", 4) == ChannelKeys(4)
+    assert quant_format("kch2-rotv3") == ChannelKeys(2, 3, rotate_values=True)
+    assert all(quant_format(name).name == name for name in QUANT_NAMES)
     with pytest.raises(ValueError, match="unknown ledger format"):
         CacheConfig(quant="rot-k9v9")
 
 
-@pytest.mark.parametrize("quant", ["rot-k4v3", "rot-k4v2"])
+@pytest.mark.parametrize("quant", ["rot-k4v3", "rot-k4v2", "kch2-rotv3"])
 def test_qevict_in_the_rotated_format_with_room_for_everything_equals_full_kv(quant):
     """Windows in F only (room for all), routing events on the way: Full-KV's tokens exactly."""
     cfg = tiny_llama(2048)

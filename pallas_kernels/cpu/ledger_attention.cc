@@ -9,8 +9,9 @@
 // The slots are split into one contiguous range per thread of XLA's intra-op pool; every range produces a
 // flash-decoding partial (out, max, sum) that the calling thread merges.
 //
-// Two handlers, one per ledger format (pallas_kernels.quant): QevictLedgerAttention reads the "channel"
-// format (pre-RoPE keys with a grid per channel over the window, re-rotated here); QevictRotatedLedgerAttention
+// Two handlers, one per ledger format (pallas_kernels.quant): QevictLedgerAttention reads ChannelKeys
+// (pre-RoPE keys with a grid per channel over the window, re-rotated here; values of v_bits, read in their
+// stored basis, the caller rotating the output back where they are rotated); QevictRotatedLedgerAttention
 // reads RotatedTokens (keys and values with a grid per token, in the rotated basis, no RoPE), with the
 // query already rotated by the caller; the key grid is folded into the logit:
 //   q . (c_t s_t + z_t) = s_t (q . c_t) + z_t sum(q).
@@ -497,16 +498,20 @@ ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::F16> ks, ffi::Buffer<ffi::F16> kz, ffi::Buffer<ffi::U8> vc,
                            ffi::Buffer<ffi::F16> vs, ffi::Buffer<ffi::F16> vz, ffi::Buffer<ffi::U8> valid,
                            ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> inv_freq, int64_t window,
-                           int64_t bits, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
+                           int64_t bits, int64_t v_bits, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::ResultBuffer<ffi::F32> m_out,
                            ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> mass_out) {
   auto qd = q.dimensions();
   auto kd = kc.dimensions();
-  if (qd.size() != 4 || kd.size() != 5) return ffi::Error::InvalidArgument("ledger_attention: bad ranks");
+  auto vd = vc.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5)
+    return ffi::Error::InvalidArgument("ledger_attention: bad ranks");
   if (bits != 2 && bits != 4) return ffi::Error::InvalidArgument("ledger_attention: bits must be 2 or 4");
-  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[2], window, bits, 8 / bits, kd[4], 0};
+  if (v_bits < 2 || v_bits > 4) return ffi::Error::InvalidArgument("ledger_attention: v_bits must be 2, 3 or 4");
+  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[2], window, bits, 8 / bits, kd[4], 0, v_bits};
   sh.db = sh.d / sh.per;
   if (sh.d > kMaxDim || sh.d % 2 || sh.w > kMaxWindow || sh.g > kMaxGroup || sh.wb * sh.per != sh.w ||
-      kd[3] != sh.d)
+      kd[3] != sh.d || vd[3] != sh.w || vd[4] * 8 != sh.d * v_bits || (v_bits == 3 && sh.d % 8))
     return ffi::Error::InvalidArgument("ledger_attention: unsupported shapes");
   Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(),    kz.typed_data(),
             vc.typed_data(), vs.typed_data(), vz.typed_data(),    valid.typed_data(),
@@ -570,7 +575,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictLedgerAttention, LedgerAttention,
                                                  .Arg<ffi::Buffer<ffi::S32>>()  // start
                                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq
                                                  .Attr<int64_t>("window")
-                                                 .Attr<int64_t>("bits")));
+                                                 .Attr<int64_t>("bits")
+                                                 .Attr<int64_t>("v_bits")));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictRotatedLedgerAttention, RotatedLedgerAttention,
                               ReturnPartials(BindQueryAndTier().Attr<int64_t>("k_bits").Attr<int64_t>("v_bits")));

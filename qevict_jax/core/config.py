@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.quant import QuantFormat, quant_format
+from pallas_kernels.quant import ChannelKeys, QuantFormat, quant_format
 from qevict_jax.core.bounds import Bound, check_bounds
 
 RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv", "gates")
@@ -47,8 +47,9 @@ class CacheConfig:
         (ledger, dormant entries included); the rest goes to F. 0 disables the Q tier.
     bits: 2 or 4, code width of the Q tier in the "channel" format.
     quant: the Q tier's format (``pallas_kernels.quant.quant_format``): "channel" (pre-RoPE keys with a grid
-        per channel over the window, values per token, ``bits`` wide: KIVI's) or "rot-kXvY" (post-RoPE keys
-        and values rotated by a fixed Hadamard matrix, a grid per token, X / Y bits).
+        per channel over the window, values per token, ``bits`` wide: KIVI's), "kch2-rotvY" (those keys at 2
+        bits, values rotated by a fixed Hadamard matrix, a grid per token, Y bits) or "rot-kXvY" (post-RoPE
+        keys and values rotated, a grid per token, X / Y bits).
     budget: β, the byte budget as a fraction of the uncompressed cache of ``budget_tokens`` tokens.
     budget_bytes: when set, the byte budget per batch row (all layers), overriding ``budget``.
     ranking: "cumulative" (attention mass summed per window, initialized from the observation window: the
@@ -101,10 +102,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         check_bounds(self, CACHE_BOUNDS)
         fmt = quant_format(self.quant, self.bits)
-        per_byte = 8 // self.bits
-        if self.q_frac > 0 and fmt.name == "channel" and self.window % per_byte:
+        per_byte = 8 // fmt.bits if isinstance(fmt, ChannelKeys) else 1
+        if self.q_frac > 0 and self.window % per_byte:
             raise ValueError(
-                f"window W={self.window} must be a multiple of {per_byte} for INT{self.bits} codes "
+                f"window W={self.window} must be a multiple of {per_byte} for INT{fmt.bits} codes "
                 f"(codes of one channel are packed {per_byte} per byte along the window); "
                 f"use q_frac=0 to run without the Q tier"
             )
