@@ -24,6 +24,11 @@ Formats:
   attention reads rotated keys with the query rotated once, the value output is rotated back once;
 - ``tok-kXvY``: the same per-token grids without the rotation (what the rotation buys);
 - ``kch2-rotvY``: today's keys, values rotated per token (``kch2-vY``: not rotated);
+- ``cen-kXvY``: ``rot-kXvY`` with each window's per-channel mean of the post-RoPE keys (f16, D values per
+  window and head) subtracted before the rotation and added back after: attention adds ``q . mean`` once per
+  window, and a per-token grid no longer spends its range on a channel offset (Qwen2's QKV bias);
+  ``pcen-kXvY``: the mean taken over the pre-RoPE keys (where a bias is constant) and RoPE'd at each token's
+  position (attention adds ``q . RoPE_t(mean)`` per token);
 - suffixes ``-bf16`` / ``-fp8``: grids stored as bfloat16 / float8 e4m3 (rounded outward, so the grid still
   covers each group's range) instead of float16; ``-q8``: each grid value an 8-bit code on a linear scale
   (f16 offset and step) shared by the groups of one window and head, as llama.cpp's k-quants do;
@@ -187,12 +192,14 @@ class Format:
     key_grids: str = "token"
     grid: str = "f16"
     codebook: str = "uniform"
+    center_k: bool = False
+    center_pre_rope: bool = False
 
     def data_bytes(self, d: int) -> float:
         """Codes + grids of one window of one KV head (K and V)."""
         gb = np.dtype(GRID_DTYPES[self.grid]).itemsize
         supers = 4 * 2 if self.grid == "q8" else 0  # lo and step of both grid values, f16
-        k_grid = (d if self.key_grids == "channel" else WINDOW) * 2 * gb + supers
+        k_grid = (d if self.key_grids == "channel" else WINDOW) * 2 * gb + supers + (2 * d if self.center_k else 0)
         v_grid = WINDOW * 2 * gb + supers
         return WINDOW * d * (self.k_bits + self.v_bits) / 8 + k_grid + v_grid
 
@@ -205,10 +212,13 @@ def parse_format(name: str) -> Format:
     grid = next((p for p in parts[2:] if p in GRID_DTYPES), "f16")
     codebook = "lloyd" if "lloyd" in parts else "uniform"
     head, spec = parts[0], parts[1]
-    if head in ("rot", "tok"):
+    if head in ("rot", "tok", "cen", "pcen"):
         k_bits, v_bits = int(spec[1 : spec.index("v")]), int(spec[spec.index("v") + 1 :])
-        rot = head == "rot"
-        return Format(name, k_bits, v_bits, rot, rot, "token", grid, codebook)
+        rot = head != "tok"
+        center = head in ("cen", "pcen")
+        return Format(
+            name, k_bits, v_bits, rot, rot, "token", grid, codebook, center_k=center, center_pre_rope=head == "pcen"
+        )
     if head.startswith("kch") and spec.startswith(("rotv", "v")):  # kch2-rotv2 / kch2-v2 (today's, at a grid)
         rot_v = spec.startswith("rotv")
         return Format(
@@ -239,6 +249,13 @@ def reconstruct(
         k_pre = rope(k_post, -pos, inv_freq)
         k_hat_pre = np.swapaxes(uniform_groups(np.swapaxes(k_pre, -1, -2), fmt.k_bits, fmt.grid)[0], -1, -2)
         k_hat = rope(k_hat_pre, pos, inv_freq)
+    elif fmt.center_k:
+        if fmt.center_pre_rope:  # the window's pre-RoPE channel mean, RoPE'd at every token's position
+            mean_pre = rope(k_post, -pos, inv_freq).mean(-2, keepdims=True).astype(np.float16).astype(np.float64)
+            mean = rope(np.broadcast_to(mean_pre, k_post.shape), pos, inv_freq)
+        else:
+            mean = k_post.mean(-2, keepdims=True).astype(np.float16).astype(np.float64)  # [Hkv, N, 1, D]
+        k_hat = quantize_tokens((k_post - mean) @ rot, fmt.k_bits, fmt) @ rot.T + mean
     elif fmt.rotate_k:
         k_hat = quantize_tokens(k_post @ rot, fmt.k_bits, fmt) @ rot.T
     else:

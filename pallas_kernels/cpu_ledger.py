@@ -30,6 +30,7 @@ from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotate_v
 SOURCE = Path(__file__).parent / "cpu" / "ledger_attention.cc"
 TARGET = "qevict_ledger_attention"
 ROTATED_TARGET = "qevict_rotated_ledger_attention"
+CENTERED_TARGET = "qevict_centered_ledger_attention"
 # no -ffast-math: linking it sets flush-to-zero for the whole process
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 
@@ -86,6 +87,9 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(
         ROTATED_TARGET, jax.ffi.pycapsule(lib.QevictRotatedLedgerAttention), platform="cpu"
     )
+    jax.ffi.register_ffi_target(
+        CENTERED_TARGET, jax.ffi.pycapsule(lib.QevictCenteredLedgerAttention), platform="cpu"
+    )
     return None
 
 
@@ -115,19 +119,23 @@ def _code_args(codes) -> tuple[jax.Array, ...]:
     return tuple(x if x.dtype == jnp.uint8 else x.astype(jnp.float16) for x in jax.tree.leaves(codes))
 
 
-def _rotated_cpu(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens) -> Partial:
-    """``reference.RotatedAttention`` by the kernel's RotatedTokens handler."""
+def _rotated_cpu(q: jax.Array, q_rot: jax.Array, tier: QuantTier, inv_freq: jax.Array, fmt: RotatedTokens) -> Partial:
+    """``reference.RotatedAttention`` by the kernel's RotatedTokens handler (the centered one when the keys
+    are centered: it also reads the key means, the un-rotated query and the slots' positions)."""
     nl = tier.codes.k_codes.shape[2]
-    call = jax.ffi.ffi_call(ROTATED_TARGET, _results(q_rot, nl), vmap_method="sequential")
-    return Partial(
-        *call(
-            q_rot.astype(jnp.float32),
-            *_code_args(tier.codes),
-            tier.slot_valid.astype(jnp.uint8),
-            k_bits=fmt.k_bits,
-            v_bits=fmt.v_bits,
-        )
-    )
+    codes = tier.codes.replace(k_mean=None)  # the six fields every handler reads first
+    args = [q_rot.astype(jnp.float32), *_code_args(codes), tier.slot_valid.astype(jnp.uint8)]
+    target = ROTATED_TARGET
+    if fmt.center_keys:
+        target = CENTERED_TARGET
+        args += [
+            tier.codes.k_mean.astype(jnp.float16),
+            q.astype(jnp.float32),
+            tier.slot_start.astype(jnp.int32),
+            inv_freq.astype(jnp.float32),
+        ]
+    call = jax.ffi.ffi_call(target, _results(q_rot, nl), vmap_method="sequential")
+    return Partial(*call(*args, k_bits=fmt.k_bits, v_bits=fmt.v_bits))
 
 
 def ledger_attention_cpu(
@@ -143,8 +151,8 @@ def ledger_attention_cpu(
     "channel": the RoPE angles are formed as the reference forms them (float32 ``position * inv_freq`` of
     each slot start and of each offset, combined by angle addition); the kernel evaluates their sines and
     cosines itself, for the valid slots only, and reads the float16 grids as they are stored.
-    ``RotatedTokens``: the query is rotated here, the kernel reads the rotated codes, the output is rotated
-    back here (``reference.rotated_partial``).
+    ``RotatedTokens``: the query is rotated here, the kernel reads the rotated codes (and, centered, adds
+    ``q . RoPE_t(mean)`` from the key means), the output is rotated back here (``reference.rotated_partial``).
     """
     if not available():
         raise RuntimeError(f"the CPU ledger kernel is unavailable: {unavailable_reason()}")
@@ -153,7 +161,7 @@ def ledger_attention_cpu(
     if nl == 0:
         return empty_partial(q)
     if isinstance(fmt, RotatedTokens):
-        return rotated_partial(q, tier, fmt, _rotated_cpu)
+        return rotated_partial(q, tier, inv_freq, fmt, _rotated_cpu)
     if not isinstance(fmt, ChannelKeys):
         raise TypeError(f"unknown ledger format {fmt!r}")
     f32 = jnp.float32

@@ -165,22 +165,64 @@ def _rotated_kernel(
     online_softmax(load, valid_ref=valid_ref, outs=outs, plan=plan, groups=groups, window=window, d=d)
 
 
-def _rotated_call(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens, *, launch: Launch) -> Partial:
-    """``reference.RotatedAttention`` by ``_rotated_kernel`` (split-K over the slots, as the channel kernel)."""
-    codes, _, slot_valid = tier
-    b, hkv = q_rot.shape[:2]
+def _centered_kernel(
+    q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, km_ref, start_ref, valid_ref, freq_ref,
+    outs: PartialRefs, *, window: int, fmt: RotatedTokens, plan: SplitPlan,
+):  # fmt: skip
+    """One program of ``RotatedTokens`` with centered keys. q [G, 2D]: the rotated query, then the query;
+    codes as ``_rotated_kernel``'s; km [CH, D] f16 each window's pre-RoPE key mean; start, valid [CH] int32;
+    freq [D/2] f32. Logits: ``q_rot . codes + q . RoPE_t(mean)``, the mean re-rotated in-kernel."""
+    groups, d = q_ref.shape[0], q_ref.shape[1] // 2
+    half, scale = d // 2, d**-0.5
+    theta = freq_ref[...].astype(jnp.float32)
+    qs = [q_ref[g, pl.ds(0, d)].astype(jnp.float32) * scale for g in range(groups)]
+    q1 = [q_ref[g, pl.ds(d, half)].astype(jnp.float32) * scale for g in range(groups)]
+    q2 = [q_ref[g, pl.ds(d + half, half)].astype(jnp.float32) * scale for g in range(groups)]
+
+    def load(rows, valid):
+        k = _dequant_tokens(kc_ref.at[rows], ks_ref.at[rows], kz_ref.at[rows], valid, fmt.k_bits)
+        v = _dequant_tokens(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, fmt.v_bits)
+        mask = jnp.broadcast_to(valid[:, None], (valid.shape[0], half))
+        m1 = masked_load(km_ref.at[rows, pl.ds(0, half)], mask).astype(jnp.float32)[:, :, None]  # [BS, D/2, 1]
+        m2 = masked_load(km_ref.at[rows, pl.ds(half, half)], mask).astype(jnp.float32)[:, :, None]
+        cos, sin = window_cos_sin(start_ref[rows], theta, window)  # [BS, D/2, W]
+        r1, r2 = m1 * cos - m2 * sin, m2 * cos + m1 * sin
+        logits = [
+            jnp.sum(qs[g][None, None, :] * k, axis=-1)
+            + jnp.sum(q1[g][None, :, None] * r1 + q2[g][None, :, None] * r2, axis=1)
+            for g in range(groups)
+        ]
+        return logits, v
+
+    online_softmax(load, valid_ref=valid_ref, outs=outs, plan=plan, groups=groups, window=window, d=d)
+
+
+def _rotated_call(
+    q: jax.Array, q_rot: jax.Array, tier: QuantTier, inv_freq: jax.Array, fmt: RotatedTokens, *, launch: Launch
+) -> Partial:
+    """``reference.RotatedAttention`` by ``_rotated_kernel``, or ``_centered_kernel`` for centered keys
+    (split-K over the slots, as the channel kernel)."""
+    codes, slot_start, slot_valid = tier
+    b, hkv, _, d = q_rot.shape
     nl, w = codes.k_codes.shape[2], codes.k_codes.shape[3]
     plan = launch.plan(slots=nl, rows=b * hkv, window=w)
+    valid = pad_slots(slot_valid.astype(jnp.int32), plan.padded, 0)
+    kernel, query, rows, shared = _rotated_kernel, q_rot, [valid], []
+    if fmt.center_keys:
+        kernel, query = _centered_kernel, jnp.concatenate([q_rot, q], axis=-1)
+        rows, shared = [pad_slots(slot_start.astype(jnp.int32), plan.padded, 0), valid], [inv_freq]
     return split_attention(
-        functools.partial(_rotated_kernel, window=w, fmt=fmt, plan=plan),
-        q=q_rot,
+        functools.partial(kernel, window=w, fmt=fmt, plan=plan),
+        q=query,
         slot_inputs=jax.tree.leaves(codes),
-        row_inputs=[pad_slots(slot_valid.astype(jnp.int32), plan.padded, 0)],
+        row_inputs=rows,
+        shared_inputs=shared,
         slots=nl,
         plan=plan,
         launch=launch,
         default_warps=LEDGER_WARPS,
-        name="rotated_ledger_attention",
+        name="centered_ledger_attention" if fmt.center_keys else "rotated_ledger_attention",
+        out_dim=d,
     )
 
 
@@ -190,9 +232,14 @@ def _check_ledger_shapes(
     b, hkv, _, d = q.shape
     nl = codes.k_codes.shape[2]
     trailing = fmt.field_shapes(window, d)
+    present = lambda x: x is not None
+    fields = [f.name for f in dataclasses.fields(codes)]
+    if [present(getattr(codes, n)) for n in fields] != [present(getattr(trailing, n)) for n in fields]:
+        raise ValueError(f"the ledger's fields do not match the format {fmt.name}")
     expect = {
-        f.name: (getattr(codes, f.name), (b, hkv, nl, *getattr(trailing, f.name)))
-        for f in dataclasses.fields(codes)
+        name: (getattr(codes, name), (b, hkv, nl, *getattr(trailing, name)))
+        for name in fields
+        if getattr(codes, name) is not None
     }
     expect |= {
         "slot_start": (slot_start, (b, nl)),
@@ -230,7 +277,7 @@ def ledger_attention(
     if nl == 0:
         return empty_partial(q)
     if isinstance(fmt, RotatedTokens):
-        return rotated_partial(q, tier, fmt, functools.partial(_rotated_call, launch=launch))
+        return rotated_partial(q, tier, inv_freq, fmt, functools.partial(_rotated_call, launch=launch))
     plan = launch.plan(slots=nl, rows=b * hkv, window=window)
     part = split_attention(
         functools.partial(_ledger_kernel, window=window, bits=fmt.bits, v_bits=fmt.value_bits, plan=plan),

@@ -25,7 +25,9 @@ Ledger formats (``QuantFormat``; ``quant_format(name, bits)`` builds one from th
   rotated by one fixed orthogonal matrix ``R`` (a randomized Hadamard, QuaRot-style: it spreads outlier
   channels over all channels, so one grid per token fits), one grid per token for both, ``k_bits`` /
   ``v_bits`` wide. Attention reads them as they are: ``q R`` once per step against the rotated keys
-  (``(qR).(kR) = q.k``), and the value output ``(sum p vR) R^T`` rotated back once.
+  (``(qR).(kR) = q.k``), and the value output ``(sum p vR) R^T`` rotated back once. "crot-k4v3" centers the
+  keys first: each window's pre-RoPE channel mean is stored in f16 and taken out (RoPE'd at each token)
+  before the rotation, and attention adds ``q . RoPE_t(mean)`` back.
 """
 
 from __future__ import annotations
@@ -159,7 +161,9 @@ class QuantizedWindows:
 
     Keys are pre-RoPE with one grid per channel over the window, values one grid per token over head_dim:
     k_codes [..., N, D, W*bits/8] uint8, k_scale / k_zero [..., N, D] f16, v_codes [..., N, W, D*bits/8]
-    uint8, v_scale / v_zero [..., N, W] f16. ``take`` and ``put`` index the window axis N.
+    uint8, v_scale / v_zero [..., N, W] f16 (the other formats' layouts: their ``field_shapes``). k_mean
+    [..., N, D] f16: each window's per-channel mean of its pre-RoPE keys, in the centered format only (None,
+    no leaf, in the others). ``take`` and ``put`` index the window axis N.
     """
 
     k_codes: jax.Array
@@ -168,15 +172,20 @@ class QuantizedWindows:
     v_codes: jax.Array
     v_scale: jax.Array
     v_zero: jax.Array
+    k_mean: jax.Array | None = None
 
     def dequantize(self, bits: int) -> tuple[jax.Array, jax.Array]:
         """(pre-RoPE keys, values), each [..., N, W, D] float32."""
         k = dequantize_keys(self.k_codes, self.k_scale, self.k_zero, bits)
         return k, dequantize_values(self.v_codes, self.v_scale, self.v_zero, bits)
 
+    def trailing_axes(self) -> QuantizedWindows:
+        """The number of axes after the window axis N, per field (same structure as ``self``)."""
+        return QuantizedWindows(2, 1, 1, 2, 1, 1, None if self.k_mean is None else 1)
+
     def take(self, idx: jax.Array) -> QuantizedWindows:
         """The windows at ``idx`` [M] of the window axis."""
-        return jax.tree.map(lambda x, t: jnp.take(x, idx, axis=x.ndim - t - 1), self, _TRAILING)
+        return jax.tree.map(lambda x, t: jnp.take(x, idx, axis=x.ndim - t - 1), self, self.trailing_axes())
 
     def put(self, idx: jax.Array, other: QuantizedWindows) -> QuantizedWindows:
         """``other``'s windows [..., M, ...] written at ``idx`` [M] of the window axis (out-of-range = dropped)."""
@@ -185,10 +194,7 @@ class QuantizedWindows:
             at = (slice(None),) * (x.ndim - t - 1) + (idx,)
             return x.at[at].set(y.astype(x.dtype), mode="drop")
 
-        return jax.tree.map(put_one, self, other, _TRAILING)
-
-
-_TRAILING = QuantizedWindows(2, 1, 1, 2, 1, 1)  # axes after the window axis N, per field
+        return jax.tree.map(put_one, self, other, self.trailing_axes())
 
 
 def quantize_windows(k: jax.Array, v: jax.Array, bits: int) -> QuantizedWindows:
@@ -311,14 +317,21 @@ class ChannelKeys:
 class RotatedTokens:
     """The rotated per-token ledger format: post-RoPE keys and values times ``channel_rotation(D)``, one grid
     per token for both, ``k_bits`` / ``v_bits`` in (2, 3, 4). Fields [..., N, ...]: k_codes [W, D*k_bits/8],
-    k_scale / k_zero [W], v_codes [W, D*v_bits/8], v_scale / v_zero [W]."""
+    k_scale / k_zero [W], v_codes [W, D*v_bits/8], v_scale / v_zero [W].
+
+    ``center_keys`` ("crot-k4v3"): each window's per-channel mean of its pre-RoPE keys, mu [D] (k_mean, f16),
+    is taken out first: the codes hold ``(k - RoPE_t(mu)) R`` for the token at position t, so that a
+    per-token grid does not spend its range on a channel offset that is constant before RoPE (Qwen2's key
+    bias, SmolLM2's outlier channels: docs/quant_study.md). Attention adds ``q . RoPE_t(mu)`` per token.
+    """
 
     k_bits: int = 4
     v_bits: int = 3
+    center_keys: bool = False
 
     @property
     def name(self) -> str:
-        return f"rot-k{self.k_bits}v{self.v_bits}"
+        return f"{'crot' if self.center_keys else 'rot'}-k{self.k_bits}v{self.v_bits}"
 
     def field_shapes(self, window: int, d: int) -> QuantizedWindows:
         return QuantizedWindows(
@@ -328,17 +341,33 @@ class RotatedTokens:
             (window, d * self.v_bits // 8),
             (window,),
             (window,),
+            (d,) if self.center_keys else None,
         )
 
     def encode(self, k: jax.Array, v: jax.Array, starts: jax.Array, inv_freq: jax.Array) -> QuantizedWindows:
-        """Codes of windows k (post-RoPE), v [..., N, W, D] (``starts`` unused: keys stay post-RoPE)."""
+        """Codes of windows k (post-RoPE), v [..., N, W, D] whose first tokens are at ``starts`` [N] (read by
+        the centered format only: plain rotated keys stay post-RoPE)."""
         r = jnp.asarray(channel_rotation(k.shape[-1]))
-        kc, ks, kz = grid_codes(k.astype(jnp.float32) @ r, self.k_bits)
+        k = k.astype(jnp.float32)
+        mean = None
+        if self.center_keys:
+            mean = jnp.mean(rope_windows(k, starts, inv_freq, -1), axis=-2).astype(jnp.float16)  # [..., N, D]
+            k = k - self.mean_keys(mean, starts, inv_freq, k.shape[-2])
+        kc, ks, kz = grid_codes(k @ r, self.k_bits)
         vc, vs, vz = grid_codes(v.astype(jnp.float32) @ r, self.v_bits)
-        return QuantizedWindows(pack_tokens(kc, self.k_bits), ks, kz, pack_tokens(vc, self.v_bits), vs, vz)
+        packed = (pack_tokens(kc, self.k_bits), ks, kz, pack_tokens(vc, self.v_bits), vs, vz)
+        return QuantizedWindows(*packed, mean)
+
+    @staticmethod
+    def mean_keys(mean: jax.Array, starts: jax.Array, inv_freq: jax.Array, window: int) -> jax.Array:
+        """RoPE_t(mu) [..., N, W, D] f32 of the windows' pre-RoPE key means mu [..., N, D] at their tokens'
+        positions (first ones at ``starts`` [N])."""
+        per_token = jnp.broadcast_to(mean.astype(jnp.float32)[..., None, :], (*mean.shape[:-1], window, mean.shape[-1]))
+        return rope_windows(per_token, starts, inv_freq, +1)
 
     def rotated(self, codes: QuantizedWindows) -> tuple[jax.Array, jax.Array]:
-        """(keys, values) [..., N, W, D] float32 in the rotated basis, as attention reads them."""
+        """(keys, values) [..., N, W, D] float32 in the rotated basis, as attention reads them (the centered
+        format's keys without their means)."""
         return (
             dequantize_tokens(codes.k_codes, codes.k_scale, codes.k_zero, self.k_bits),
             dequantize_tokens(codes.v_codes, codes.v_scale, codes.v_zero, self.v_bits),
@@ -347,15 +376,19 @@ class RotatedTokens:
     def decode(
         self, codes: QuantizedWindows, starts: jax.Array, inv_freq: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        """(post-RoPE keys, values) [..., N, W, D] float32 of the codes (rotated back)."""
+        """(post-RoPE keys, values) [..., N, W, D] float32 of the codes (rotated back, means added back)."""
         k, v = self.rotated(codes)
         r = jnp.asarray(channel_rotation(k.shape[-1]))
-        return k @ r.T, v @ r.T
+        k = k @ r.T
+        if self.center_keys:
+            k = k + self.mean_keys(codes.k_mean, starts, inv_freq, k.shape[-2])
+        return k, v @ r.T
 
 
 QuantFormat = ChannelKeys | RotatedTokens
 QUANT_NAMES = (
-    "channel", "kch2-rotv3", "kch2-rotv4", "kch2-rotv2", "rot-k4v4", "rot-k4v3", "rot-k4v2", "rot-k3v3", "rot-k2v2"
+    "channel", "crot-k4v3", "crot-k4v4", "crot-k3v3", "kch2-rotv3", "kch2-rotv4", "kch2-rotv2",
+    "rot-k4v4", "rot-k4v3", "rot-k4v2", "rot-k3v3", "rot-k2v2",
 )  # fmt: skip
 
 
@@ -369,4 +402,4 @@ def quant_format(name: str, bits: int = 2) -> QuantFormat:
         raise ValueError(f"unknown ledger format quant={name!r}; available: {', '.join(QUANT_NAMES)}")
     if name.startswith("kch"):
         return ChannelKeys(int(name[3]), v_bits=int(name[-1]), rotate_values=True)
-    return RotatedTokens(int(name[5]), int(name[7]))
+    return RotatedTokens(int(name[-3]), int(name[-1]), center_keys=name.startswith("crot"))

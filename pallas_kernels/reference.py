@@ -77,9 +77,11 @@ LedgerAttention = Callable[..., Partial]
 """``(q, tier: QuantTier, inv_freq, *, window, fmt) -> Partial`` (``ledger_partial``, the CPU kernel or the
 Pallas kernel)."""
 
-RotatedAttention = Callable[[jax.Array, QuantTier, RotatedTokens], Partial]
-"""``(q_rot, tier, fmt) -> Partial`` in the rotated basis: the part of a ledger attention that reads a
-``RotatedTokens`` ledger (``rotated_partial`` turns it into a ``LedgerAttention``'s result)."""
+RotatedAttention = Callable[[jax.Array, jax.Array, QuantTier, jax.Array, RotatedTokens], Partial]
+"""``(q, q_rot, tier, inv_freq, fmt) -> Partial`` with the output in the rotated basis: the part of a ledger
+attention that reads a ``RotatedTokens`` ledger (``rotated_partial`` turns it into a ``LedgerAttention``'s
+result). q [B, Hkv, G, D] f32 is the query, q_rot = q R; the logits are ``q_rot . codes`` (plus
+``q . RoPE_t(mean)`` in the centered format)."""
 
 
 def empty_partial(q: jax.Array, n: int = 0) -> Partial:
@@ -144,11 +146,14 @@ def window_rope_tables(starts: jax.Array, window: int, inv_freq: jax.Array) -> t
     return cs * co - ss * so, ss * co + cs * so
 
 
-def rotated_partial(q: jax.Array, tier: QuantTier, fmt: RotatedTokens, attend: RotatedAttention) -> Partial:
+def rotated_partial(
+    q: jax.Array, tier: QuantTier, inv_freq: jax.Array, fmt: RotatedTokens, attend: RotatedAttention
+) -> Partial:
     """Attention partial of q [B, Hkv, G, D] over a ``RotatedTokens`` ledger: ``attend`` reads the codes with
     the query rotated once (``q R``); the value output is rotated back once (``out R^T``)."""
     r = jnp.asarray(channel_rotation(q.shape[-1]))
-    part = attend(q.astype(jnp.float32) @ r, tier, fmt)
+    q = q.astype(jnp.float32)
+    part = attend(q, q @ r, tier, inv_freq.astype(jnp.float32), fmt)
     return part._replace(out=part.out @ r.T)
 
 
@@ -165,9 +170,16 @@ def _slots_partial(q: jax.Array, k: jax.Array, v: jax.Array, slot_valid: jax.Arr
     return Partial(out, m, slot_mass.sum(-1), slot_mass)
 
 
-def rotated_reference(q_rot: jax.Array, tier: QuantTier, fmt: RotatedTokens) -> Partial:
-    """``RotatedAttention`` in jnp: q_rot [B, Hkv, G, D] against the dequantized rotated keys and values."""
+def rotated_reference(
+    q: jax.Array, q_rot: jax.Array, tier: QuantTier, inv_freq: jax.Array, fmt: RotatedTokens
+) -> Partial:
+    """``RotatedAttention`` in jnp: q_rot [B, Hkv, G, D] against the dequantized rotated keys (their means
+    RoPE'd and rotated into the same basis, in the centered format) and values."""
     k, v = fmt.rotated(tier.codes)  # [B, Hkv, NL, W, D]
+    if fmt.center_keys:
+        starts = tier.slot_start[:, None]  # [B, 1, NL]: every KV head's windows start there
+        mean = fmt.mean_keys(tier.codes.k_mean, starts, inv_freq, k.shape[-2])
+        k = k + mean @ jnp.asarray(channel_rotation(k.shape[-1]))
     return _slots_partial(q_rot, k, v, tier.slot_valid)
 
 
@@ -189,7 +201,7 @@ def ledger_partial(
     if codes.k_codes.shape[2] == 0:
         return empty_partial(q)
     if isinstance(fmt, RotatedTokens):
-        return rotated_partial(q, tier, fmt, rotated_reference)
+        return rotated_partial(q, tier, inv_freq, fmt, rotated_reference)
     if not isinstance(fmt, ChannelKeys):
         raise TypeError(f"unknown ledger format {fmt!r}")
     d = q.shape[-1]

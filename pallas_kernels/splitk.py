@@ -237,6 +237,7 @@ def split_attention(
     launch: Launch,
     default_warps: int,
     name: str,
+    out_dim: int | None = None,
 ) -> Partial:
     """Run a split-K decode kernel over grid (B, Hkv, splits) and merge its programs' partials.
 
@@ -244,10 +245,12 @@ def split_attention(
     of ``slot_inputs`` [B, Hkv, N, ...]; the same slots of each of ``row_inputs`` [B, plan.padded] (padded
     with ``pad_slots``); each of ``shared_inputs`` whole ([M]); then the ``PartialRefs``. Slot inputs are
     not padded: the kernel must mask its loads past ``slots`` by the (padded) validity it reads.
-    ``default_warps``: Triton warps when ``launch`` names none. Returns the ``Partial`` over the first
-    ``slots`` slots.
+    ``default_warps``: Triton warps when ``launch`` names none. ``out_dim``: D of the output when the query
+    carries more than one D-vector per head (q [B, Hkv, G, k D]; None: q's last axis). Returns the
+    ``Partial`` over the first ``slots`` slots.
     """
-    b, hkv, g, d = q.shape
+    b, hkv, g, dq = q.shape
+    d = out_dim or dq
     ns, ch, nc = plan.splits, plan.per_program, plan.chunks
     f32 = jnp.float32
     out_shape = (
@@ -260,7 +263,7 @@ def split_attention(
     out_specs = tuple(pl.BlockSpec((None, None, None, *s.shape[3:]), _program_block(len(s.shape) - 3)) for s in out_shape)
     inputs = [q, *slot_inputs, *row_inputs, *shared_inputs]
     in_specs = [
-        pl.BlockSpec((None, None, g, d), lambda i, j, k: (i, j, 0, 0)),
+        pl.BlockSpec((None, None, g, dq), lambda i, j, k: (i, j, 0, 0)),
         *(pl.BlockSpec((None, None, ch, *x.shape[3:]), _program_block(x.ndim - 3)) for x in slot_inputs),
         *(pl.BlockSpec((None, ch), lambda i, j, k: (i, k)) for _ in row_inputs),
         *(pl.BlockSpec(x.shape, lambda i, j, k: (0,)) for x in shared_inputs),

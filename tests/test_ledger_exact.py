@@ -25,7 +25,13 @@ from qevict_jax.engines.migrate import apply_plan, dequantize_windows, quantize_
 from qevict_jax.engines.routing import Candidates, plan_counts, plan_for_row
 
 W, D, NF, NQ, K = 8, 8, 3, 4, 2
-CODE_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")  # QuantizedWindows leaves
+# QuantizedWindows leaves, in order (k_mean: the centered format's only)
+CODE_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_mean")
+
+
+def named(codes: tuple) -> dict:
+    """One window's code leaves by field name."""
+    return dict(zip(CODE_FIELDS[: len(codes)], codes, strict=True))
 MODEL = ModelConfig(
     family="llama",
     vocab_size=16,
@@ -91,6 +97,7 @@ def jitted_reference(nl: int, quant: str):
         (1, jnp.float32, False, 400, "channel"),
         (1, jnp.bfloat16, True, 1000, "rot-k4v3"),
         (1, jnp.bfloat16, True, 1000, "kch2-rotv3"),
+        (1, jnp.bfloat16, True, 1000, "crot-k4v3"),
     ],
 )
 def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events, quant):
@@ -199,13 +206,8 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
                 first_codes[w] = codes
                 ever_quantized.add(w)
             # a window's codes are its first codes, and those of the reference quantizer, bit for bit
-            chex.assert_trees_all_equal(
-                dict(zip(CODE_FIELDS, codes, strict=True)),
-                dict(zip(CODE_FIELDS, first_codes[w], strict=True)),
-            )
-            chex.assert_trees_all_equal(
-                dict(zip(CODE_FIELDS, codes, strict=True)), dict(zip(CODE_FIELDS, ref_codes[w], strict=True))
-            )
+            chex.assert_trees_all_equal(named(codes), named(first_codes[w]))
+            chex.assert_trees_all_equal(named(codes), named(ref_codes[w]))
         # F copies: a promoted window holds the dequantization of its first codes, the others their own KV
         ever_promoted |= old_active & set(in_f)
         for slot, w in enumerate(f_win):

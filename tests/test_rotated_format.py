@@ -40,6 +40,7 @@ from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.sampling import SamplerConfig
 
 FORMATS = [RotatedTokens(4, 3), RotatedTokens(4, 4), RotatedTokens(4, 2), RotatedTokens(2, 2)]
+CENTERED = [RotatedTokens(4, 3, center_keys=True), RotatedTokens(3, 3, center_keys=True)]
 # per-channel keys with rotated per-token values, and today's format as the control
 CHANNEL_FORMATS = [ChannelKeys(2, 3, rotate_values=True), ChannelKeys(2, 4, rotate_values=True), ChannelKeys(2)]
 
@@ -82,6 +83,32 @@ def test_each_token_is_within_half_a_step_of_its_grid(fmt):
         assert (err <= np.asarray(scale, np.float64)[..., None] / 2 * (1 + 1e-5) + 1e-6).all()
     kd, vd = fmt.decode(codes, jnp.zeros(5, jnp.int32), jnp.ones(32))
     chex.assert_trees_all_close((kd, vd), (kr @ r.T, vr @ r.T), atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", CENTERED, ids=lambda f: f.name)
+def test_centered_keys_store_their_pre_rope_mean_and_a_residual_within_half_a_step(fmt):
+    """k_mean is each window's pre-RoPE channel mean in f16; the codes hold (k - RoPE_t(mean)) R within
+    scale / 2 per element; decoding adds RoPE_t(mean) back, so a window whose keys are a constant vector
+    before RoPE (a pure bias) is decoded exactly up to the f16 mean."""
+    rng = np.random.default_rng(7)
+    bias = rng.standard_normal(64) * 20  # a large per-channel offset, constant before RoPE
+    inv = jnp.asarray(1.0 / 10000 ** (np.arange(0, 64, 2) / 64), jnp.float32)
+    starts = jnp.asarray([0, 8, 100, 3000, 9], jnp.int32)
+    k_pre = jnp.asarray(bias + rng.standard_normal((2, 5, 8, 64)), jnp.float32)
+    k = rope_windows(k_pre, starts, inv, +1)
+    v = jnp.asarray(rng.standard_normal((2, 5, 8, 64)), jnp.float32)
+    codes = fmt.encode(k, v, starts, inv)
+    mean = np.asarray(k_pre, np.float64).mean(-2)
+    np.testing.assert_allclose(np.asarray(codes.k_mean, np.float64), mean, rtol=1e-3, atol=1e-2)
+    mean_t = np.asarray(fmt.mean_keys(codes.k_mean, starts, inv, 8), np.float64)
+    r = channel_rotation(64).astype(np.float64)
+    kr, _ = (np.asarray(x, np.float64) for x in fmt.rotated(codes))
+    err = np.abs((np.asarray(k, np.float64) - mean_t) @ r - kr)
+    assert (err <= np.asarray(codes.k_scale, np.float64)[..., None] / 2 * (1 + 1e-5) + 1e-5).all()
+    kd, _ = fmt.decode(codes, starts, inv)
+    chex.assert_trees_all_close(kd, kr @ r.T + mean_t, atol=1e-4)
+    # the residual's grid spans the noise, not the bias: steps far below the rotated bias's range
+    assert float(np.asarray(codes.k_scale, np.float64).max()) < 0.02 * np.ptp(bias @ r)
 
 
 @pytest.mark.parametrize("fmt", CHANNEL_FORMATS, ids=lambda f: f.name)
@@ -127,7 +154,7 @@ def _kernels():
     return impls
 
 
-@pytest.mark.parametrize("fmt", FORMATS + CHANNEL_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS + CENTERED + CHANNEL_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("impl", ["reference", "cpu", "pallas"])
 def test_attention_over_rotated_codes_equals_float64_attention_over_the_dequantized_kv(fmt, impl):
     """Every implementation of the Q tier's partial reads the rotated codes (query rotated once, output
@@ -191,6 +218,8 @@ def test_a_rotated_q_window_costs_its_codes_and_grids():
     assert slot_bytes("rot-k4v2") == heads * (256 + 32 + 128 + 32) + metadata
     # channel keys (128 B of codes, 256 B of grids) with 3-bit rotated values (8 x 24 + 32 B)
     assert slot_bytes("kch2-rotv3") == heads * (128 + 256 + 192 + 32) + metadata
+    # rot-k4v3 and each window's pre-RoPE key mean, 64 channels in f16
+    assert slot_bytes("crot-k4v3") == heads * (512 + 128) + metadata
 
 
 def test_format_names_are_checked():
@@ -201,7 +230,7 @@ def test_format_names_are_checked():
         CacheConfig(quant="rot-k9v9")
 
 
-@pytest.mark.parametrize("quant", ["rot-k4v3", "rot-k4v2", "kch2-rotv3"])
+@pytest.mark.parametrize("quant", ["rot-k4v3", "rot-k4v2", "kch2-rotv3", "crot-k4v3"])
 def test_qevict_in_the_rotated_format_with_room_for_everything_equals_full_kv(quant):
     """Windows in F only (room for all), routing events on the way: Full-KV's tokens exactly."""
     cfg = tiny_llama(2048)

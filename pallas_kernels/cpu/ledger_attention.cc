@@ -9,12 +9,14 @@
 // The slots are split into one contiguous range per thread of XLA's intra-op pool; every range produces a
 // flash-decoding partial (out, max, sum) that the calling thread merges.
 //
-// Two handlers, one per ledger format (pallas_kernels.quant): QevictLedgerAttention reads ChannelKeys
+// Three handlers, one per ledger format (pallas_kernels.quant): QevictLedgerAttention reads ChannelKeys
 // (pre-RoPE keys with a grid per channel over the window, re-rotated here; values of v_bits, read in their
 // stored basis, the caller rotating the output back where they are rotated); QevictRotatedLedgerAttention
 // reads RotatedTokens (keys and values with a grid per token, in the rotated basis, no RoPE), with the
 // query already rotated by the caller; the key grid is folded into the logit:
-//   q . (c_t s_t + z_t) = s_t (q . c_t) + z_t sum(q).
+//   q . (c_t s_t + z_t) = s_t (q . c_t) + z_t sum(q);
+// QevictCenteredLedgerAttention reads RotatedTokens with centered keys: the same, plus the logit offset
+// q . RoPE_t(mean) of each window's pre-RoPE key mean, re-rotated here at each token's position.
 
 #include <algorithm>
 #include <atomic>
@@ -54,6 +56,8 @@ struct Inputs {
   const uint8_t* valid;   // [B, NL]
   const int32_t* start;   // [B, NL] absolute position of each slot's first token
   const float* inv_freq;  // [D/2]
+  const uint16_t* km = nullptr;  // [B, Hkv, NL, D] float16 pre-RoPE key mean per window (centered format)
+  const float* qp = nullptr;     // [B, Hkv, G, D] the query before the rotation (centered format)
 };
 
 // IEEE half -> float (exact), branch-free for normal numbers and zero; subnormals and inf/nan are rare in
@@ -157,6 +161,27 @@ inline void expand_token(const uint8_t* bytes, int64_t d, int64_t bits, float* o
     for (int k = 0; k < 8; ++k) out[8 * j + k] += static_cast<float>(((high[j] >> k) & 1) << 2);
 }
 
+// RoPE tables of the offsets 0..W-1, transposed to [H, W]: the angles as the jnp reference forms them
+// (float32 offset * inv_freq).
+inline void offset_tables(const float* inv_freq, int64_t H, int64_t W, float* cos_oT, float* sin_oT) {
+  for (int64_t t = 0; t < W; ++t)
+    for (int64_t i = 0; i < H; ++i) sincos_f32(static_cast<float>(t) * inv_freq[i], &sin_oT[i * W + t], &cos_oT[i * W + t]);
+}
+
+// cos, sin [H, W] of the angles of one slot's tokens (first at pos), by angle addition from the slot's start
+// angles and the offset tables.
+inline void slot_tables(float pos, const float* inv_freq, int64_t H, int64_t W, const float* cos_oT,
+                        const float* sin_oT, float* cosr, float* sinr) {
+  alignas(64) float ang_c[kMaxDim / 2];
+  alignas(64) float ang_s[kMaxDim / 2];
+  for (int64_t i = 0; i < H; ++i) sincos_f32(pos * inv_freq[i], &ang_s[i], &ang_c[i]);
+  for (int64_t i = 0; i < H; ++i)
+    for (int64_t t = 0; t < W; ++t) {
+      cosr[i * W + t] = ang_c[i] * cos_oT[i * W + t] - ang_s[i] * sin_oT[i * W + t];
+      sinr[i * W + t] = ang_s[i] * cos_oT[i * W + t] + ang_c[i] * sin_oT[i * W + t];
+    }
+}
+
 typedef float V8 __attribute__((vector_size(32)));  // eight floats (GCC/Clang vector extension)
 
 // Sum of x[0..n): pairwise for a power-of-two n (vectorizes), else in order. Clobbers x.
@@ -195,14 +220,8 @@ void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int
   alignas(64) float krot[kMaxDim * kMaxWindow];  // [D, W]
   alignas(64) float acc[kMaxWindow];
   std::vector<float> qs(HKV * G * D);  // scaled queries [Hkv, G, D]
-  alignas(64) float ang_c[kMaxDim / 2];  // cos, sin of one slot's start angles [H]
-  alignas(64) float ang_s[kMaxDim / 2];
   alignas(64) float kscale[kMaxDim], kzero[kMaxDim];
-  // the angles as the jnp reference forms them: float32 position * inv_freq, then angle addition
-  for (int64_t t = 0; t < W; ++t)
-    for (int64_t i = 0; i < H; ++i) {
-      sincos_f32(static_cast<float>(t) * in.inv_freq[i], &sin_oT[i * W + t], &cos_oT[i * W + t]);
-    }
+  offset_tables(in.inv_freq, H, W, cos_oT, sin_oT);
   for (int64_t x = 0; x < HKV * G * D; ++x) qs[x] = in.q[b * HKV * G * D + x] * scale;
   const uint8_t* valid = in.valid + b * NL;
   const int64_t span = n1 - n0;
@@ -213,13 +232,7 @@ void attend_range(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int
   // pass 1, slot by slot (the slot's RoPE table serves every KV head): logits of every valid token
   for (int64_t n = n0; n < n1; ++n) {
     if (!valid[n]) continue;
-    const float pos = static_cast<float>(in.start[b * NL + n]);
-    for (int64_t i = 0; i < H; ++i) sincos_f32(pos * in.inv_freq[i], &ang_s[i], &ang_c[i]);
-    for (int64_t i = 0; i < H; ++i)
-      for (int64_t t = 0; t < W; ++t) {
-        cosr[i * W + t] = ang_c[i] * cos_oT[i * W + t] - ang_s[i] * sin_oT[i * W + t];
-        sinr[i * W + t] = ang_s[i] * cos_oT[i * W + t] + ang_c[i] * sin_oT[i * W + t];
-      }
+    slot_tables(static_cast<float>(in.start[b * NL + n]), in.inv_freq, H, W, cos_oT, sin_oT, cosr, sinr);
     for (int64_t h = 0; h < HKV; ++h) {
       const int64_t bh = b * HKV + h;
       const int64_t slot = bh * NL + n;
@@ -360,18 +373,31 @@ void attend_range_rotated(const Shapes& sh, const Inputs& in, int64_t b, int64_t
   const int64_t D = kD ? kD : sh.d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t ktoken = D * sh.bits / 8;  // bytes of one token's key codes
+  const int64_t H = D / 2;
+  const bool centered = in.km != nullptr;
   alignas(64) float kbuf[kMaxWindow * kMaxDim];  // [W, D] key codes of one slot and head
   alignas(64) float kscale[kMaxWindow], kzero[kMaxWindow];
+  // centered format: RoPE tables of the slot [H, W], the window's key mean RoPE'd at its tokens [D, W], and
+  // the logit offsets q . RoPE_t(mean) [W]
+  alignas(64) float cos_oT[kMaxDim / 2 * kMaxWindow], sin_oT[kMaxDim / 2 * kMaxWindow];
+  alignas(64) float cosr[kMaxDim / 2 * kMaxWindow], sinr[kMaxDim / 2 * kMaxWindow];
+  alignas(64) float mrot[kMaxDim * kMaxWindow];
+  alignas(64) float offset[kMaxWindow] = {};
   std::vector<float> qs(HKV * G * D), qsum(HKV * G, 0.0f);  // scaled queries [Hkv, G, D] and their sums
+  std::vector<float> qps(centered ? HKV * G * D : 0);    // scaled un-rotated queries
   for (int64_t x = 0; x < HKV * G * D; ++x) {
     qs[x] = in.q[b * HKV * G * D + x] * scale;
     qsum[x / D] += qs[x];
+    if (centered) qps[x] = in.qp[b * HKV * G * D + x] * scale;
   }
+  if (centered) offset_tables(in.inv_freq, H, W, cos_oT, sin_oT);
   const uint8_t* valid = in.valid + b * NL;
   const int64_t span = n1 - n0;
   std::vector<float> mlane(HKV * G * W, kNegInf);
   for (int64_t n = n0; n < n1; ++n) {
     if (!valid[n]) continue;
+    if (centered)
+      slot_tables(static_cast<float>(in.start[b * NL + n]), in.inv_freq, H, W, cos_oT, sin_oT, cosr, sinr);
     for (int64_t h = 0; h < HKV; ++h) {
       const int64_t slot = (b * HKV + h) * NL + n;
       for (int64_t t = 0; t < W; ++t) {
@@ -379,16 +405,30 @@ void attend_range_rotated(const Shapes& sh, const Inputs& in, int64_t b, int64_t
         kscale[t] = half_to_float(in.ks[slot * W + t]);
         kzero[t] = half_to_float(in.kz[slot * W + t]);
       }
+      if (centered)
+        for (int64_t i = 0; i < H; ++i) {
+          const float m1 = half_to_float(in.km[slot * D + i]), m2 = half_to_float(in.km[slot * D + i + H]);
+          for (int64_t t = 0; t < W; ++t) {
+            mrot[i * W + t] = m1 * cosr[i * W + t] - m2 * sinr[i * W + t];
+            mrot[(i + H) * W + t] = m2 * cosr[i * W + t] + m1 * sinr[i * W + t];
+          }
+        }
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qs.data() + (h * G + g) * D;
         const float qz = qsum[h * G + g];
         float* sc = scores + ((h * G + g) * span + (n - n0)) * W;  // [Hkv, G, span, W]
         float* ml = mlane.data() + (h * G + g) * W;
+        if (centered) {
+          const float* qp = qps.data() + (h * G + g) * D;
+          for (int64_t t = 0; t < W; ++t) offset[t] = 0.0f;
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t t = 0; t < W; ++t) offset[t] += qp[d] * mrot[d * W + t];
+        }
         for (int64_t t = 0; t < W; ++t) {
           const float* kt = kbuf + t * D;
           float dot = 0.0f;
           for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
-          const float x = kscale[t] * dot + kzero[t] * qz;
+          const float x = kscale[t] * dot + kzero[t] * qz + offset[t];
           sc[t] = x;
           ml[t] = x > ml[t] ? x : ml[t];
         }
@@ -543,7 +583,37 @@ ffi::Error RotatedLedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
-// The arguments both handlers read first: the query, one ledger tier's codes and grids, keys then values
+// RotatedTokens with centered keys: the rotated handler's inputs plus each window's pre-RoPE key mean, the
+// un-rotated query, the slots' start positions and the RoPE inverse frequencies.
+ffi::Error CenteredLedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc,
+                                   ffi::Buffer<ffi::F16> ks, ffi::Buffer<ffi::F16> kz, ffi::Buffer<ffi::U8> vc,
+                                   ffi::Buffer<ffi::F16> vs, ffi::Buffer<ffi::F16> vz,
+                                   ffi::Buffer<ffi::U8> valid, ffi::Buffer<ffi::F16> km,
+                                   ffi::Buffer<ffi::F32> q_plain, ffi::Buffer<ffi::S32> start,
+                                   ffi::Buffer<ffi::F32> inv_freq, int64_t k_bits, int64_t v_bits,
+                                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
+                                   ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> mass_out) {
+  auto qd = q.dimensions();
+  auto kd = kc.dimensions();
+  auto vd = vc.dimensions();
+  auto md = km.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || md.size() != 4)
+    return ffi::Error::InvalidArgument("centered_ledger_attention: bad ranks");
+  if (k_bits < 2 || k_bits > 4 || v_bits < 2 || v_bits > 4)
+    return ffi::Error::InvalidArgument("centered_ledger_attention: bits must be 2, 3 or 4");
+  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[2], kd[3], k_bits, 0, 0, 0, v_bits};
+  if (sh.d > kMaxDim || sh.d % 8 || sh.w > kMaxWindow || sh.g > kMaxGroup || kd[4] * 8 != sh.d * k_bits ||
+      vd[4] * 8 != sh.d * v_bits || vd[3] != sh.w || md[2] != sh.nl || md[3] != sh.d ||
+      q_plain.element_count() != q.element_count())
+    return ffi::Error::InvalidArgument("centered_ledger_attention: unsupported shapes");
+  Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(),    kz.typed_data(),
+            vc.typed_data(), vs.typed_data(), vz.typed_data(),    valid.typed_data(),
+            start.typed_data(), inv_freq.typed_data(), km.typed_data(), q_plain.typed_data()};
+  run_ranges(pool, sh, in, range_fn(sh.w, sh.d, true), out, m_out, l_out, mass_out);
+  return ffi::Error::Success();
+}
+
+// The arguments every handler reads first: the query, one ledger tier's codes and grids, keys then values
 // (kc, ks, kz, vc, vs, vz; layouts per format in pallas_kernels.quant), and the per-slot validity.
 auto BindQueryAndTier() {
   return ffi::Ffi::Bind()
@@ -558,7 +628,7 @@ auto BindQueryAndTier() {
       .Arg<ffi::Buffer<ffi::U8>>();  // valid
 }
 
-// The split-K partials both handlers return: out, m, l and the per-slot attention mass.
+// The split-K partials every handler returns: out, m, l and the per-slot attention mass.
 template <typename Binding>
 auto ReturnPartials(Binding&& binding) {
   return std::forward<Binding>(binding)
@@ -580,3 +650,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictLedgerAttention, LedgerAttention,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictRotatedLedgerAttention, RotatedLedgerAttention,
                               ReturnPartials(BindQueryAndTier().Attr<int64_t>("k_bits").Attr<int64_t>("v_bits")));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QevictCenteredLedgerAttention, CenteredLedgerAttention,
+                              ReturnPartials(BindQueryAndTier()
+                                                 .Arg<ffi::Buffer<ffi::F16>>()  // k_mean
+                                                 .Arg<ffi::Buffer<ffi::F32>>()  // q_plain
+                                                 .Arg<ffi::Buffer<ffi::S32>>()  // start
+                                                 .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq
+                                                 .Attr<int64_t>("k_bits")
+                                                 .Attr<int64_t>("v_bits")));

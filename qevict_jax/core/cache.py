@@ -173,11 +173,12 @@ def init_cache(
         ledger=Ledger(
             codes=QuantizedWindows(
                 **{
-                    # packed codes are bytes, grids float16
+                    # packed codes are bytes, grids and key means float16; a field the format lacks is None
                     f.name: z(
                         (hkv, nl, *getattr(shapes, f.name)), jnp.uint8 if "codes" in f.name else jnp.float16
                     )
                     for f in dataclasses.fields(shapes)
+                    if getattr(shapes, f.name) is not None
                 }
             ),
             win=jnp.full((L, b, nl), -1, jnp.int32),

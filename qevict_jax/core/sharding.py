@@ -96,6 +96,7 @@ CACHE_LAYOUTS: dict[type, dict[str, str]] = {
         "v_codes": HEADS,  # [L, B, Hkv, NL, W, D*bits/8]
         "v_scale": HEADS,  # [L, B, Hkv, NL, W]
         "v_zero": HEADS,  # [L, B, Hkv, NL, W]
+        "k_mean": HEADS,  # [L, B, Hkv, NL, D] (centered format only; else None)
     },
     PoolCache: _SINK_RING
     | {
@@ -207,6 +208,9 @@ def cache_specs(cache: Any) -> Any:
             raise ValueError(f"{type(cache).__name__}.{f.name} has no sharding layout in CACHE_LAYOUTS")
         kind = layout[f.name]
         value = getattr(cache, f.name)
+        if value is None:  # an optional field the cache does not have (no leaf, no spec)
+            specs[f.name] = None
+            continue
         specs[f.name] = cache_specs(value) if kind == "nested" else _SPECS[kind]
     return cache.replace(**specs)
 
