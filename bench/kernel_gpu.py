@@ -119,6 +119,8 @@ def ledger_inputs(key, b: int, nl: int, s: Setup, ctx: int, valid_frac: float = 
     shapes = s.format.field_shapes(w, d)
     fields = {}
     for i, f in enumerate(dataclasses.fields(shapes)):
+        if getattr(shapes, f.name) is None:  # a field this format does not have
+            continue
         shape = (b, hkv, nl, *getattr(shapes, f.name))
         if "codes" in f.name:
             fields[f.name] = jax.random.bits(ks_[2 + i], shape, jnp.uint8)
@@ -199,6 +201,8 @@ def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
             (jnp.float32, 4, "channel", 0.5),
             (jnp.float32, 2, "rot-k4v3", 0.7),
             (jnp.bfloat16, 2, "rot-k4v3", 1.0),
+            (jnp.float32, 2, "crot-k4v3", 0.7),
+            (jnp.float32, 2, "kch2-rotv3", 0.7),
         ]
     ):
         setup = dataclasses.replace(s, bits=bits, quant=quant)

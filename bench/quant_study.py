@@ -27,8 +27,8 @@ Formats:
 - ``cen-kXvY``: ``rot-kXvY`` with each window's per-channel mean of the post-RoPE keys (f16, D values per
   window and head) subtracted before the rotation and added back after: attention adds ``q . mean`` once per
   window, and a per-token grid no longer spends its range on a channel offset (Qwen2's QKV bias);
-  ``pcen-kXvY``: the mean taken over the pre-RoPE keys (where a bias is constant) and RoPE'd at each token's
-  position (attention adds ``q . RoPE_t(mean)`` per token);
+  ``crot-kXvY`` (the ledger format of that name): the mean taken over the pre-RoPE keys (where a bias is
+  constant) and RoPE'd at each token's position (attention adds ``q . RoPE_t(mean)`` per token);
 - suffixes ``-bf16`` / ``-fp8``: grids stored as bfloat16 / float8 e4m3 (rounded outward, so the grid still
   covers each group's range) instead of float16; ``-q8``: each grid value an 8-bit code on a linear scale
   (f16 offset and step) shared by the groups of one window and head, as llama.cpp's k-quants do;
@@ -212,12 +212,12 @@ def parse_format(name: str) -> Format:
     grid = next((p for p in parts[2:] if p in GRID_DTYPES), "f16")
     codebook = "lloyd" if "lloyd" in parts else "uniform"
     head, spec = parts[0], parts[1]
-    if head in ("rot", "tok", "cen", "pcen"):
+    if head in ("rot", "tok", "cen", "crot"):
         k_bits, v_bits = int(spec[1 : spec.index("v")]), int(spec[spec.index("v") + 1 :])
         rot = head != "tok"
-        center = head in ("cen", "pcen")
+        center = head in ("cen", "crot")
         return Format(
-            name, k_bits, v_bits, rot, rot, "token", grid, codebook, center_k=center, center_pre_rope=head == "pcen"
+            name, k_bits, v_bits, rot, rot, "token", grid, codebook, center_k=center, center_pre_rope=head == "crot"
         )
     if head.startswith("kch") and spec.startswith(("rotv", "v")):  # kch2-rotv2 / kch2-v2 (today's, at a grid)
         rot_v = spec.startswith("rotv")

@@ -122,7 +122,7 @@ def _ledger_kernel(
         cos, sin = window_cos_sin(start_ref[rows], theta, window)  # [BS, D/2, W]
         kr1 = k1 * cos - k2 * sin
         kr2 = k2 * cos + k1 * sin
-        v = _dequant_tokens(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, v_bits)  # [BS, W, D]
+        v = _dequant_tokens(vc_ref, vs_ref, vz_ref, rows, valid, v_bits)  # [BS, W, D]
         logits = [
             jnp.sum(q1[g][None, :, None] * kr1 + q2[g][None, :, None] * kr2, axis=1) for g in range(groups)
         ]
@@ -131,19 +131,22 @@ def _ledger_kernel(
     online_softmax(load, valid_ref=valid_ref, outs=outs, plan=plan, groups=groups, window=window, d=d)
 
 
-def _dequant_tokens(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -> jax.Array:
-    """Dequantize per-token groups of ``pack_tokens`` codes [BS, W, D*bits/8] (3 bits: the 2-bit plane of
-    D/4 bytes, then the 1-bit plane of D/8, loaded as two ref slices), scale and zero [BS, W] -> [BS, W, D]."""
+def _dequant_tokens(codes_ref, scale_ref, zero_ref, rows, valid: jax.Array, bits: int) -> jax.Array:
+    """Dequantize the slots ``rows`` (a ``pl.ds``) of per-token groups of ``pack_tokens`` codes
+    [CH, W, D*bits/8] (3 bits: the 2-bit plane of D/4 bytes, then the 1-bit plane of D/8, loaded as two ref
+    slices), scale and zero [CH, W] -> [BS, W, D]. Every ref is indexed once (Triton lowers one indexer per
+    load)."""
     if bits != 3:
-        return _dequant_rows(codes_ref, scale_ref, zero_ref, valid, bits)
-    bs, w, nb = codes_ref.shape
+        return _dequant_rows(codes_ref.at[rows], scale_ref.at[rows], zero_ref.at[rows], valid, bits)
+    _, w, nb = codes_ref.shape
+    bs = valid.shape[0]
     d = nb * 8 // 3
-    low_ref, high_ref = codes_ref.at[:, :, pl.ds(0, d // 4)], codes_ref.at[:, :, pl.ds(d // 4, d // 8)]
+    low_ref, high_ref = codes_ref.at[rows, :, pl.ds(0, d // 4)], codes_ref.at[rows, :, pl.ds(d // 4, d // 8)]
     low = unpack_last(masked_load(low_ref, jnp.broadcast_to(valid[:, None, None], (bs, w, d // 4))), 2)
     high = unpack_last(masked_load(high_ref, jnp.broadcast_to(valid[:, None, None], (bs, w, d // 8))), 1)
     grid_mask = jnp.broadcast_to(valid[:, None], (bs, w))
-    scale = masked_load(scale_ref, grid_mask).astype(jnp.float32)
-    zero = masked_load(zero_ref, grid_mask).astype(jnp.float32)
+    scale = masked_load(scale_ref.at[rows], grid_mask).astype(jnp.float32)
+    zero = masked_load(zero_ref.at[rows], grid_mask).astype(jnp.float32)
     codes = (low | jnp.left_shift(high, jnp.uint8(2))).astype(jnp.float32)
     return codes * scale[:, :, None] + zero[:, :, None]
 
@@ -158,8 +161,8 @@ def _rotated_kernel(
     qs = [q_ref[g, :].astype(jnp.float32) * d**-0.5 for g in range(groups)]
 
     def load(rows, valid):
-        k = _dequant_tokens(kc_ref.at[rows], ks_ref.at[rows], kz_ref.at[rows], valid, fmt.k_bits)
-        v = _dequant_tokens(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, fmt.v_bits)
+        k = _dequant_tokens(kc_ref, ks_ref, kz_ref, rows, valid, fmt.k_bits)
+        v = _dequant_tokens(vc_ref, vs_ref, vz_ref, rows, valid, fmt.v_bits)
         return [jnp.sum(qs[g][None, None, :] * k, axis=-1) for g in range(groups)], v  # [BS, W] per head
 
     online_softmax(load, valid_ref=valid_ref, outs=outs, plan=plan, groups=groups, window=window, d=d)
@@ -180,8 +183,8 @@ def _centered_kernel(
     q2 = [q_ref[g, pl.ds(d + half, half)].astype(jnp.float32) * scale for g in range(groups)]
 
     def load(rows, valid):
-        k = _dequant_tokens(kc_ref.at[rows], ks_ref.at[rows], kz_ref.at[rows], valid, fmt.k_bits)
-        v = _dequant_tokens(vc_ref.at[rows], vs_ref.at[rows], vz_ref.at[rows], valid, fmt.v_bits)
+        k = _dequant_tokens(kc_ref, ks_ref, kz_ref, rows, valid, fmt.k_bits)
+        v = _dequant_tokens(vc_ref, vs_ref, vz_ref, rows, valid, fmt.v_bits)
         mask = jnp.broadcast_to(valid[:, None], (valid.shape[0], half))
         m1 = masked_load(km_ref.at[rows, pl.ds(0, half)], mask).astype(jnp.float32)[:, :, None]  # [BS, D/2, 1]
         m2 = masked_load(km_ref.at[rows, pl.ds(half, half)], mask).astype(jnp.float32)[:, :, None]

@@ -6,6 +6,8 @@ NaN-poisoned (``poison=True``; interpret mode also starts outputs as NaN) and co
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import chex
@@ -20,7 +22,7 @@ from models.attention import NEG_INF
 from pallas_kernels import cpu_ledger, dispatch
 from pallas_kernels.fused_attention import dense_slot_attention, fused_partials
 from pallas_kernels.ledger_attention import ledger_attention, window_cos_sin
-from pallas_kernels.quant import ChannelKeys, QuantizedWindows, unpack
+from pallas_kernels.quant import ChannelKeys, QuantizedWindows, RotatedTokens, unpack
 from pallas_kernels.reference import (
     DenseTier,
     QuantTier,
@@ -401,7 +403,12 @@ def _abstract(args: dict) -> dict:
     return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), args)
 
 
-def test_kernels_lower_to_triton_for_cuda():
+@pytest.mark.parametrize(
+    "fmt",
+    [ChannelKeys(2), ChannelKeys(2, 3, rotate_values=True), RotatedTokens(4, 3), RotatedTokens(4, 3, center_keys=True)],
+    ids=lambda f: f.name,
+)
+def test_kernels_lower_to_triton_for_cuda(fmt):
     """Lower the kernels for CUDA on this CPU machine: every in-kernel op must have a Triton lowering."""
     from jax._src.lib import version as jaxlib_version
 
@@ -411,9 +418,21 @@ def test_kernels_lower_to_triton_for_cuda():
     launch = Launch(interpret=False, poison=True)
 
     def fn(**tiers):
-        return merge_tiers(fused_partials(launch=launch)(**tiers, window=8, fmt=ChannelKeys(2)))
+        return merge_tiers(fused_partials(launch=launch)(**tiers, window=8, fmt=fmt))
 
-    text = jax.jit(fn).trace(**_abstract(_tiers(args))).lower(lowering_platforms=("cuda",)).as_text()
+    tiers = _tiers(args)
+    shapes = fmt.field_shapes(8, 128)
+    b, hkv, nl = tiers["ledger"].codes.k_codes.shape[:3]
+    # codes in the format's layout (the inputs' own are the channel format's): bytes, grids and means f16
+    fields = {
+        f.name: jax.ShapeDtypeStruct(
+            (b, hkv, nl, *getattr(shapes, f.name)), jnp.uint8 if "codes" in f.name else jnp.float16
+        )
+        for f in dataclasses.fields(shapes)
+        if getattr(shapes, f.name) is not None
+    }
+    tiers["ledger"] = tiers["ledger"]._replace(codes=QuantizedWindows(**fields))
+    text = jax.jit(fn).trace(**_abstract(tiers)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 4  # sink, F, Q, ring
 
 
