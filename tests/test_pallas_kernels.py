@@ -7,7 +7,6 @@ NaN-poisoned (``poison=True``; interpret mode also starts outputs as NaN) and co
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 
 import chex
