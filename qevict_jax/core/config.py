@@ -48,8 +48,9 @@ class CacheConfig:
     bits: 2 or 4, code width of the Q tier in the "channel" format.
     quant: the Q tier's format (``pallas_kernels.quant.quant_format``): "channel" (pre-RoPE keys with a grid
         per channel over the window, values per token, ``bits`` wide: KIVI's), "kch2-rotvY" (those keys at 2
-        bits, values rotated by a fixed Hadamard matrix, a grid per token, Y bits) or "rot-kXvY" (post-RoPE
-        keys and values rotated, a grid per token, X / Y bits).
+        bits, values rotated by a fixed Hadamard matrix, a grid per token, Y bits), "rot-kXvY" (post-RoPE
+        keys and values rotated, a grid per token, X / Y bits) or "crot-kXvY" (the same, with each window's
+        pre-RoPE key mean kept in f16 and taken out of its keys first).
     budget: β, the byte budget as a fraction of the uncompressed cache of ``budget_tokens`` tokens.
     budget_bytes: when set, the byte budget per batch row (all layers), overriding ``budget``.
     ranking: "cumulative" (attention mass summed per window, initialized from the observation window: the
