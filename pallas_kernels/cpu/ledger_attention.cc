@@ -560,23 +560,30 @@ ffi::Error LedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   return ffi::Error::Success();
 }
 
+// The shapes of a RotatedTokens ledger (either rotated handler), or why they are unsupported.
+const char* rotated_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::U8>& kc,
+                           const ffi::Buffer<ffi::U8>& vc, int64_t k_bits, int64_t v_bits, Shapes* sh) {
+  auto qd = q.dimensions();
+  auto kd = kc.dimensions();
+  auto vd = vc.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5) return "rotated_ledger_attention: bad ranks";
+  if (k_bits < 2 || k_bits > 4 || v_bits < 2 || v_bits > 4)
+    return "rotated_ledger_attention: bits must be 2, 3 or 4";
+  *sh = Shapes{qd[0], qd[1], qd[2], qd[3], kd[2], kd[3], k_bits, 0, 0, 0, v_bits};
+  if (sh->d > kMaxDim || sh->d % 8 || sh->w > kMaxWindow || sh->g > kMaxGroup || kd[4] * 8 != sh->d * k_bits ||
+      vd[4] * 8 != sh->d * v_bits || vd[3] != sh->w)
+    return "rotated_ledger_attention: unsupported shapes";
+  return nullptr;
+}
+
 ffi::Error RotatedLedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kc,
                                   ffi::Buffer<ffi::F16> ks, ffi::Buffer<ffi::F16> kz, ffi::Buffer<ffi::U8> vc,
                                   ffi::Buffer<ffi::F16> vs, ffi::Buffer<ffi::F16> vz,
                                   ffi::Buffer<ffi::U8> valid, int64_t k_bits, int64_t v_bits,
                                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                                   ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> mass_out) {
-  auto qd = q.dimensions();
-  auto kd = kc.dimensions();
-  auto vd = vc.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5)
-    return ffi::Error::InvalidArgument("rotated_ledger_attention: bad ranks");
-  if (k_bits < 2 || k_bits > 4 || v_bits < 2 || v_bits > 4)
-    return ffi::Error::InvalidArgument("rotated_ledger_attention: bits must be 2, 3 or 4");
-  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[2], kd[3], k_bits, 0, 0, 0, v_bits};
-  if (sh.d > kMaxDim || sh.d % 8 || sh.w > kMaxWindow || sh.g > kMaxGroup || kd[4] * 8 != sh.d * k_bits ||
-      vd[4] * 8 != sh.d * v_bits || vd[3] != sh.w)
-    return ffi::Error::InvalidArgument("rotated_ledger_attention: unsupported shapes");
+  Shapes sh{};
+  if (const char* err = rotated_shapes(q, kc, vc, k_bits, v_bits, &sh)) return ffi::Error::InvalidArgument(err);
   Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(), kz.typed_data(), vc.typed_data(),
             vs.typed_data(), vz.typed_data(), valid.typed_data(), nullptr, nullptr};
   run_ranges(pool, sh, in, range_fn(sh.w, sh.d, true), out, m_out, l_out, mass_out);
@@ -593,19 +600,11 @@ ffi::Error CenteredLedgerAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                                    ffi::Buffer<ffi::F32> inv_freq, int64_t k_bits, int64_t v_bits,
                                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                                    ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> mass_out) {
-  auto qd = q.dimensions();
-  auto kd = kc.dimensions();
-  auto vd = vc.dimensions();
+  Shapes sh{};
+  if (const char* err = rotated_shapes(q, kc, vc, k_bits, v_bits, &sh)) return ffi::Error::InvalidArgument(err);
   auto md = km.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || md.size() != 4)
-    return ffi::Error::InvalidArgument("centered_ledger_attention: bad ranks");
-  if (k_bits < 2 || k_bits > 4 || v_bits < 2 || v_bits > 4)
-    return ffi::Error::InvalidArgument("centered_ledger_attention: bits must be 2, 3 or 4");
-  Shapes sh{qd[0], qd[1], qd[2], qd[3], kd[2], kd[3], k_bits, 0, 0, 0, v_bits};
-  if (sh.d > kMaxDim || sh.d % 8 || sh.w > kMaxWindow || sh.g > kMaxGroup || kd[4] * 8 != sh.d * k_bits ||
-      vd[4] * 8 != sh.d * v_bits || vd[3] != sh.w || md[2] != sh.nl || md[3] != sh.d ||
-      q_plain.element_count() != q.element_count())
-    return ffi::Error::InvalidArgument("centered_ledger_attention: unsupported shapes");
+  if (md.size() != 4 || md[2] != sh.nl || md[3] != sh.d || q_plain.element_count() != q.element_count())
+    return ffi::Error::InvalidArgument("centered_ledger_attention: key means or query do not match");
   Inputs in{q.typed_data(),  kc.typed_data(), ks.typed_data(),    kz.typed_data(),
             vc.typed_data(), vs.typed_data(), vz.typed_data(),    valid.typed_data(),
             start.typed_data(), inv_freq.typed_data(), km.typed_data(), q_plain.typed_data()};
