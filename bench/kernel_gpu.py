@@ -37,9 +37,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pallas_kernels.formats import QuantFormat, quant_format  # noqa: E402
 from pallas_kernels.fused_attention import dense_slot_attention, fused_partials  # noqa: E402
 from pallas_kernels.ledger_attention import ledger_attention  # noqa: E402
-from pallas_kernels.quant import QuantFormat, QuantizedWindows, quant_format  # noqa: E402
+from pallas_kernels.quant import QuantizedWindows  # noqa: E402
 from pallas_kernels.reference import (  # noqa: E402
     DenseTier,
     QuantTier,
@@ -60,7 +61,7 @@ class Setup:
     head_dim: int = 128
     window: int = 8
     bits: int = 2
-    quant: str = "channel"  # the ledger format (``pallas_kernels.quant.quant_format``)
+    quant: str = "channel"  # the ledger format (``pallas_kernels.formats.quant_format``)
     sink: int = 5
     recent: int = 128
     beta: float = 0.2

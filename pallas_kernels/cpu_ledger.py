@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from pallas_kernels.quant import ChannelKeys, QuantFormat, RotatedTokens
+from pallas_kernels.formats import ChannelKeys, QuantFormat, RotatedTokens
 from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotate_values_back, rotated_partial
 
 SOURCE = Path(__file__).parent / "cpu" / "ledger_attention.cc"

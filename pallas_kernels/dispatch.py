@@ -13,7 +13,7 @@ import jax
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import cpu_ledger
-from pallas_kernels.quant import QuantFormat
+from pallas_kernels.formats import QuantFormat
 from pallas_kernels.reference import ledger_partial
 
 

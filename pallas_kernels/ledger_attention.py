@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.quant import ChannelKeys, QuantFormat, QuantizedWindows, RotatedTokens
+from pallas_kernels.formats import ChannelKeys, QuantFormat, RotatedTokens
+from pallas_kernels.quant import QuantizedWindows
 from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotate_values_back, rotated_partial
 from pallas_kernels.splitk import (
     DEFAULT_LAUNCH,

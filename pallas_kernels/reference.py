@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import NEG_INF
-from pallas_kernels.quant import ChannelKeys, QuantFormat, QuantizedWindows, RotatedTokens, channel_rotation
+from pallas_kernels.formats import ChannelKeys, QuantFormat, RotatedTokens, channel_rotation
+from pallas_kernels.quant import QuantizedWindows
 
 
 class Partial(NamedTuple):
@@ -193,7 +194,7 @@ def ledger_partial(
       tier: codes in format ``fmt``, slot_start (token i of a slot is at slot_start + i; "channel" keys are
         dequantized and re-rotated there) and slot_valid (invalid slots contribute nothing), see ``QuantTier``.
       inv_freq: [D/2] float32 RoPE inverse frequencies.
-      window: W (static). fmt: the ledger format (static, ``pallas_kernels.quant``).
+      window: W (static). fmt: the ledger format (static, ``pallas_kernels.formats``).
 
     Returns a ``Partial`` over the valid slots' tokens, mass per slot [B, Hkv, G, NL] (0 for invalid slots).
     """

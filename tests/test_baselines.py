@@ -12,7 +12,7 @@ from test_quant import np_quantize
 from models.attention import chunked_attention
 from models.config import ModelConfig
 from models.model import LayerContext
-from pallas_kernels.quant import rope_windows
+from pallas_kernels.formats import rope_windows
 from qevict_jax.core.budget import pyramid_layer_caps
 from qevict_jax.core.cache import ring_positions, ring_valid
 from qevict_jax.core.kv import CacheRequest, full_kv_bytes

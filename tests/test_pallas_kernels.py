@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from models.attention import NEG_INF
 from pallas_kernels import cpu_ledger, dispatch
+from pallas_kernels.formats import ChannelKeys, RotatedTokens
 from pallas_kernels.fused_attention import dense_slot_attention, fused_partials
 from pallas_kernels.ledger_attention import ledger_attention, window_cos_sin
-from pallas_kernels.quant import ChannelKeys, QuantizedWindows, RotatedTokens, unpack
+from pallas_kernels.quant import QuantizedWindows, unpack
 from pallas_kernels.reference import (
     DenseTier,
     QuantTier,

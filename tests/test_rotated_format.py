@@ -1,4 +1,4 @@
-"""The rotated ledger formats (``pallas_kernels.quant.RotatedTokens``, and ``ChannelKeys`` with rotated values):
+"""The rotated ledger formats (``pallas_kernels.formats.RotatedTokens``, and ``ChannelKeys`` with rotated values):
 an orthogonal rotation, exact packing, grids that bound the error, attention over their codes (jnp reference,
 CPU kernel, Pallas kernel in interpret mode) equal to float64 attention over the dequantized, un-rotated K/V,
 their bytes, and a method that uses them reproducing Full-KV when everything fits."""
@@ -20,17 +20,16 @@ from tiny import roomy_method, tiny_llama
 
 from models.model import Transformer
 from pallas_kernels import cpu_ledger
-from pallas_kernels.ledger_attention import ledger_attention
-from pallas_kernels.quant import (
+from pallas_kernels.formats import (
     QUANT_NAMES,
     ChannelKeys,
     RotatedTokens,
     channel_rotation,
-    pack_tokens,
     quant_format,
     rope_windows,
-    unpack_tokens,
 )
+from pallas_kernels.ledger_attention import ledger_attention
+from pallas_kernels.quant import pack_tokens, unpack_tokens
 from pallas_kernels.reference import QuantTier, ledger_partial
 from pallas_kernels.splitk import Launch
 from qevict_jax.core.cache import abstract_cache

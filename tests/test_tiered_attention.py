@@ -16,7 +16,8 @@ from tiny import roomy_method
 
 from models.config import ModelConfig
 from models.model import LayerContext, Transformer
-from pallas_kernels.quant import ChannelKeys, QuantizedWindows
+from pallas_kernels.formats import ChannelKeys
+from pallas_kernels.quant import QuantizedWindows
 from pallas_kernels.reference import QuantTier, ledger_partial
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity

@@ -39,7 +39,7 @@ class Ledger:
     Q tier) or dormant (the codes of a window promoted to F, kept for its next demotion). Stacked caches
     carry a leading [L] axis on every array.
 
-    codes: ``QuantizedWindows`` [B, Hkv, NL, ...] in the format ``caps.format`` (``pallas_kernels.quant``). win: [B, NL] int32 window id, -1 = free. active: [B, NL] bool.
+    codes: ``QuantizedWindows`` [B, Hkv, NL, ...] in the format ``caps.format`` (``pallas_kernels.formats``). win: [B, NL] int32 window id, -1 = free. active: [B, NL] bool.
     score: [B, NL] f32 ranking score (meaningful for active entries).
     """
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.quant import ChannelKeys, QuantFormat, quant_format
+from pallas_kernels.formats import ChannelKeys, QuantFormat, quant_format
 from qevict_jax.core.bounds import Bound, check_bounds
 
 RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv", "gates")
@@ -46,7 +46,7 @@ class CacheConfig:
     q_frac: share of the historical bytes (budget minus sink, ring and fixed metadata) given to the Q tier
         (ledger, dormant entries included); the rest goes to F. 0 disables the Q tier.
     bits: 2 or 4, code width of the Q tier in the "channel" format.
-    quant: the Q tier's format (``pallas_kernels.quant.quant_format``): "channel" (pre-RoPE keys with a grid
+    quant: the Q tier's format (``pallas_kernels.formats.quant_format``): "channel" (pre-RoPE keys with a grid
         per channel over the window, values per token, ``bits`` wide: KIVI's), "kch2-rotvY" (those keys at 2
         bits, values rotated by a fixed Hadamard matrix, a grid per token, Y bits), "rot-kXvY" (post-RoPE
         keys and values rotated, a grid per token, X / Y bits) or "crot-kXvY" (the same, with each window's
@@ -176,7 +176,7 @@ class Capacities:
 
     @property
     def format(self) -> QuantFormat:
-        """The Q tier's format (``pallas_kernels.quant``)."""
+        """The Q tier's format (``pallas_kernels.formats``)."""
         return quant_format(self.quant, self.bits)
 
     @property

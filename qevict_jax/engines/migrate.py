@@ -10,7 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant import QuantFormat, QuantizedWindows
+from pallas_kernels.formats import QuantFormat
+from pallas_kernels.quant import QuantizedWindows
 from qevict_jax.core.kv import from_words, to_words
 from qevict_jax.engines.routing import Candidates, RoutingPlan, compact, idle_plan, plan_row
 
