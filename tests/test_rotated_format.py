@@ -188,7 +188,7 @@ def test_a_rotated_q_window_costs_its_codes_and_grids():
     32 = 544 B; the abstract cache (what the budget solver measures) agrees."""
     cfg = dataclasses.replace(tiny_llama(4096), head_dim=64)
 
-    def slot_bytes(quant: str) -> int:
+    def slot_bytes(quant: str, q_rank: str = "score") -> int:
         def total(nl: int) -> int:
             caps = Capacities(
                 sink=5,
@@ -202,6 +202,7 @@ def test_a_rotated_q_window_costs_its_codes_and_grids():
                 bits=2,
                 omega=8,
                 quant=quant,
+                q_rank=q_rank,
             )
             return sum(
                 x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_cache(caps, cfg, 1, jnp.bfloat16))
@@ -219,6 +220,8 @@ def test_a_rotated_q_window_costs_its_codes_and_grids():
     assert slot_bytes("kch2-rotv3") == heads * (128 + 256 + 192 + 32) + metadata
     # rot-k4v3 and each window's pre-RoPE key mean, 64 channels in f16
     assert slot_bytes("crot-k4v3") == heads * (512 + 128) + metadata
+    # a Q tier ranked by key norm keeps one f32 key-norm score per entry and layer
+    assert slot_bytes("crot-k4v3", "keynorm") == slot_bytes("crot-k4v3") + cfg.num_layers * 4
 
 
 def test_format_names_are_checked():
@@ -227,16 +230,21 @@ def test_format_names_are_checked():
     assert all(quant_format(name).name == name for name in QUANT_NAMES)
     with pytest.raises(ValueError, match="unknown ledger format"):
         CacheConfig(quant="rot-k9v9")
+    with pytest.raises(ValueError, match="unknown q_rank 'norm'; available: score, keynorm, blend"):
+        CacheConfig(q_rank="norm")
 
 
-@pytest.mark.parametrize("quant", ["rot-k4v3", "rot-k4v2", "kch2-rotv3", "crot-k4v3"])
-def test_qevict_in_the_rotated_format_with_room_for_everything_equals_full_kv(quant):
-    """Windows in F only (room for all), routing events on the way: Full-KV's tokens exactly."""
+@pytest.mark.parametrize(
+    "quant, q_rank", [("rot-k4v3", "score"), ("rot-k4v2", "score"), ("kch2-rotv3", "score"), ("crot-k4v3", "blend")]
+)
+def test_qevict_in_the_rotated_format_with_room_for_everything_equals_full_kv(quant, q_rank):
+    """Windows in F only (room for all), routing events on the way: Full-KV's tokens exactly (a Q tier
+    ranked by the blend of attention and key norm included)."""
     cfg = tiny_llama(2048)
     model = Transformer(cfg, rngs=nnx.Rngs(3))
     prompt = np.random.default_rng(4).integers(0, cfg.vocab_size, 300).tolist()
     sampler = SamplerConfig(max_new_tokens=12)
-    method = roomy_method("qevict", cfg, 300 + 12, quant=quant)
+    method = roomy_method("qevict", cfg, 300 + 12, quant=quant, q_rank=q_rank)
     res = generate(model, [prompt], sampler, method, kv_dtype=jnp.float32)
-    assert res.compressed and res.cache.caps.quant == quant
+    assert res.compressed and res.cache.caps.quant == quant and res.cache.caps.q_rank == q_rank
     assert res.tokens == generate(model, [prompt], sampler, FullKV(), kv_dtype=jnp.float32).tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -16,7 +17,7 @@ from models.config import ModelConfig
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import Capacities, ring_capacity
 from qevict_jax.engines.migrate import ROUTING_CHUNK, route_row, route_stacked
-from qevict_jax.engines.routing import plan_counts, plan_routing, plan_row
+from qevict_jax.engines.routing import NormScores, plan_counts, plan_routing, plan_row
 from qevict_jax.rankings.scoring import Ranking
 
 # (NF, NL, NQ, K): F slots, ledger slots, max active Q, candidates per event
@@ -26,38 +27,60 @@ SHAPES = [(3, 5, 3, 2), (0, 4, 4, 2), (4, 0, 0, 3), (2, 6, 3, 4), (5, 3, 3, 1)]
 NUM_WINDOWS = 128  # window ids of the random sequences stay below this
 
 
-def plan_of(*metadata, **options):
-    """``plan_routing`` of the seven metadata arrays in order: the tiers', then cand_win and cand_score."""
+def plan_of(*metadata, norms=None, **options):
+    """``plan_routing`` of the seven metadata arrays in order: the tiers', then cand_win and cand_score;
+    norms: the three key-norm score arrays (F, ledger, candidates) or None."""
     *tiers, cand_win, cand_score = metadata
-    return plan_routing(*tiers, cand_win=cand_win, cand_score=cand_score, **options)
+    norms = None if norms is None else NormScores(*norms)
+    return plan_routing(*tiers, cand_win=cand_win, cand_score=cand_score, norms=norms, **options)
 
 
 @functools.cache
-def jitted_plan(nq: int, promotion: bool, spill: int = 0):
-    return jax.jit(functools.partial(plan_of, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS))
+def jitted_plan(nq: int, promotion: bool, spill: int = 0, q_rank: str = "score"):
+    return jax.jit(
+        functools.partial(
+            plan_of, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS, q_rank=q_rank
+        )
+    )
 
 
-def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(), spill=0):
+def stable_order(keys):
+    """Entry indices by descending key, ties in entry order (sorted() is stable)."""
+    return sorted(range(len(keys)), key=lambda i: -keys[i])
+
+
+def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(), spill=0, q_rank="score", norm=None):
     """Tiers after one event by stable ranking: (set in F, set in Q).
 
     entries: list of (window, score, was_q) in plan order; with_dormant: F windows holding a dormant entry.
     The Q tier holds min(nq, nl - dormant entries after the event): F windows staying in F that hold one,
     plus the Q windows promoted to F. spill: a window is ranked by the highest score among itself and the
-    entries of the ``spill`` window ids before it.
+    entries of the ``spill`` window ids before it. q_rank: the Q tier's key among the windows not in F:
+    the same key ("score"), ``norm`` [window -> key-norm score] ("keynorm"), or the better of the two
+    rank shares among those windows ("blend").
     """
     key = [max(s for v, s, _ in entries if w - spill <= v <= w) for w, _, _ in entries]
-    order = sorted(range(len(entries)), key=lambda i: -key[i])  # sorted() is stable
     f_set, q_set = set(), set()
-    for i in order:
+    for i in stable_order(key):
         win, _, was_q = entries[i]
         if len(f_set) < nf and (promotion or not was_q):
             f_set.add(win)
     kept_dormant = sum(1 for win, _, was_q in entries if win in f_set and (was_q or win in with_dormant))
     q_cap = min(nq, nl - kept_dormant)
+    rest = [i for i, (win, _, _) in enumerate(entries) if win not in f_set]
+    if q_rank == "score":
+        order = [rest[j] for j in stable_order([key[i] for i in rest])]
+    else:
+        by_norm = stable_order([norm[entries[i][0]] for i in rest])
+        if q_rank == "keynorm":
+            order = [rest[j] for j in by_norm]
+        else:
+            share = lambda ranked: {rest[j]: r / len(rest) for r, j in enumerate(ranked)}
+            s_share, n_share = share(stable_order([key[i] for i in rest])), share(by_norm)
+            order = [rest[j] for j in stable_order([-min(s_share[i], n_share[i]) for i in rest])]
     for i in order:
-        win = entries[i][0]
-        if win not in f_set and len(q_set) < q_cap:
-            q_set.add(win)
+        if len(q_set) < q_cap:
+            q_set.add(entries[i][0])
     return f_set, q_set
 
 
@@ -68,11 +91,15 @@ def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(
     seed=st.integers(0, 2**31),
     events=st.integers(1, 25),
     spill=st.sampled_from([0, 1, 2]),
+    q_rank=st.sampled_from(["score", "keynorm", "blend"]),
 )
-def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, events, spill):
+def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, events, spill, q_rank):
     nf, nl, nq, k = shape
-    plan_fn = jitted_plan(nq, promotion, spill)
+    plan_fn = jitted_plan(nq, promotion, spill, q_rank)
     rng = np.random.default_rng(seed)
+    # every window's key-norm score, fixed at its creation (coarse: ties are frequent)
+    norm = {w: float(x) for w, x in enumerate(rng.integers(-4, 0, NUM_WINDOWS))}
+    ledger_norm = np.zeros(nl, np.float32)
     f_win = np.full(nf, -1, np.int32)
     f_score = np.zeros(nf, np.float32)
     ledger_win = np.full(nl, -1, np.int32)
@@ -101,12 +128,21 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         }
         old_led_win = ledger_win.copy()
         old_f = {int(w) for w in f_win if w >= 0}
-        want_f, want_q = reference_assignment(entries, nf, nq, nl, promotion, frozenset(old_dormant), spill)
+        want_f, want_q = reference_assignment(
+            entries, nf, nq, nl, promotion, frozenset(old_dormant), spill, q_rank, norm
+        )
         own = {w: sc for w, sc, _ in entries}
 
-        plan = jax.tree.map(
-            np.asarray, plan_fn(f_win, f_score, ledger_win, ledger_active, ledger_score, cand_win, cand_score)
-        )
+        norms = None
+        if q_rank != "score":
+            of = lambda wins: np.asarray([norm[int(w)] if w >= 0 else 0.0 for w in wins], np.float32)
+            norms = (of(f_win), ledger_norm, of(cand_win))
+        metadata = (f_win, f_score, ledger_win, ledger_active, ledger_score, cand_win, cand_score)
+        plan = jax.tree.map(np.asarray, plan_fn(*metadata, norms=norms))
+        if q_rank != "score":
+            ledger_norm = plan.ledger_norm_score
+            # an entry keeps the key-norm score of its window (active or dormant)
+            assert all(ledger_norm[i] == norm[int(w)] for i, w in enumerate(plan.ledger_win) if w >= 0)
         f_win, f_score, ledger_win, ledger_active, ledger_score = (
             plan.f_win,
             plan.f_score,
@@ -451,3 +487,30 @@ def test_one_trace_per_shape_of_the_plan():
     with pytest.raises(AssertionError, match="traced > 1"):
         plan(*(np.zeros(n, dt) for n, dt in [(nf + 1, np.int32), (nf + 1, np.float32), (nl, np.int32),
                                               (nl, bool), (nl, np.float32), (k, np.int32), (k, np.float32)]))  # fmt: skip
+
+
+@pytest.mark.parametrize("q_rank", ["score", "keynorm"])
+def test_a_decode_event_ranks_q_by_the_key_norm_of_the_ring_windows(q_rank):
+    """A decode event over three ring windows scored 3, 2, 1 (NF = NQ = NL = 1), window 1's keys five times
+    larger: F takes window 0 either way; Q takes window 1 by score, window 2 by key norm, which the ledger
+    stores (float64 numpy norms of the ring's keys)."""
+    caps = dataclasses.replace(CAPS, ring=ring_capacity(0, W, 8), nq=1, nl=1, omega=8, q_rank=q_rank)
+    cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 1, jnp.float32))
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((MODEL.num_kv_heads, caps.ring, MODEL.head_dim))
+    k[:, W : 2 * W] *= 5.0
+    cache = cache.replace(
+        ring_k=jnp.asarray(k, jnp.float32)[None],
+        ring_v=jnp.asarray(rng.standard_normal(k.shape), jnp.float32)[None],
+        ring_score=jnp.asarray([[3.0, 2.0, 1.0]]),
+        length=jnp.asarray([caps.sink + 3 * W], jnp.int32),
+    )
+    row = jax.jit(jax.vmap(lambda r: route_row(r, INV_FREQ, Ranking(), True)))(cache)
+    assert int(row.f_win[0, 0]) == 0
+    want = 1 if q_rank == "score" else 2
+    assert np.asarray(row.ledger.win[0]).tolist() == [want] and bool(row.ledger.active[0, 0])
+    if q_rank == "keynorm":
+        norm = -np.linalg.norm(k[:, want * W : (want + 1) * W], axis=-1).mean()
+        np.testing.assert_allclose(np.asarray(row.ledger.norm_score[0]), [norm], rtol=1e-5)
+    else:
+        assert row.ledger.norm_score.shape == (1, 0)

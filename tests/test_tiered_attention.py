@@ -320,3 +320,38 @@ def test_qevict_keynorm_places_the_lowest_key_norm_windows_in_f_then_q():
         active = np.asarray(cache.ledger.active[b])
         assert set(f_win[f_win >= 0].tolist()) == set(order[:nf])
         assert set(np.asarray(cache.ledger.win[b])[active].tolist()) == set(order[nf : nf + nq])
+
+
+@pytest.mark.parametrize("q_rank", ["keynorm", "blend"])
+def test_a_q_tier_ranked_by_key_norm_keeps_f_by_attention_and_q_by_key_norm(q_rank):
+    """``q_rank`` at prefill: F holds the top windows by the ranking's score; among the rest, Q holds those
+    with the lowest head-mean key norm ("keynorm") or those in the top of either order ("blend": the better
+    of the two rank shares). Each ledger entry stores its window's key-norm score. Float64 numpy norms."""
+    nf, nq = 1, 3
+    caps = Capacities(
+        sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=nf, nq=nq, nl=nq, nw_max=16, bits=2, omega=8,
+        q_rank=q_rank,
+    )  # fmt: skip
+    given = (1.0, 5.0, 0.5, 9.0, 0.1, 0.2, 3.0, 0.0)
+    cache, k = prefill_one_layer(caps, GivenScores(scores=given), seed=11)
+    norms = np.linalg.norm(np.asarray(k, np.float64), axis=-1)  # [B, T, Hkv]
+    for b in range(2):
+        routed = (int(LENGTHS[b]) - R - S) // W
+        norm_score = np.asarray([-norms[b, S + w * W : S + (w + 1) * W].mean() for w in range(routed)])
+        by_score = [int(w) for w in np.argsort(-np.asarray(given[:routed]), kind="stable")]
+        rest = [w for w in range(routed) if w not in by_score[:nf]]
+        norm_order = sorted(rest, key=lambda w: -norm_score[w])
+        if q_rank == "keynorm":
+            want_q = norm_order[:nq]
+        else:
+            shares = [{w: i / len(rest) for i, w in enumerate(o)} for o in ([w for w in by_score if w in rest], norm_order)]
+            s_share, n_share = shares
+            want_q = sorted(rest, key=lambda w: min(s_share[w], n_share[w]))[:nq]
+        f_win = np.asarray(cache.f_win[b])
+        active = np.asarray(cache.ledger.active[b])
+        led_win = np.asarray(cache.ledger.win[b])
+        assert set(f_win[f_win >= 0].tolist()) == set(by_score[:nf])
+        assert set(led_win[active].tolist()) == set(want_q)
+        np.testing.assert_allclose(
+            np.asarray(cache.ledger.norm_score[b])[active], norm_score[led_win[active]], rtol=1e-5
+        )

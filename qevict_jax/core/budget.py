@@ -77,7 +77,7 @@ def solve_capacities(
     def caps(nf: int, nq: int, nl: int) -> Capacities:
         return sized(
             cache_cfg, recent=recent, ring=ring, nf=nf, nq=nq, nl=nl, nw_max=nw, quant=cache_cfg.quant,
-            deferred_head_mean=cache_cfg.deferred_head_mean,
+            deferred_head_mean=cache_cfg.deferred_head_mean, q_rank=cache_cfg.q_rank,
         )  # fmt: skip
 
     fixed = _cache_bytes(caps(0, 0, 0), model_cfg, batch, dtype)

@@ -41,12 +41,15 @@ class Ledger:
 
     codes: ``QuantizedWindows`` [B, Hkv, NL, ...] in the format ``caps.format`` (``pallas_kernels.formats``). win: [B, NL] int32 window id, -1 = free. active: [B, NL] bool.
     score: [B, NL] f32 ranking score (meaningful for active entries).
+    norm_score: [B, NL | 0] f32 minus the mean key norm of each entry's window, set when it is quantized and
+    never changed (``caps.norm_scored``: the Q tier is ranked by it, ``CacheConfig.q_rank``; else 0 wide).
     """
 
     codes: QuantizedWindows
     win: jax.Array
     active: jax.Array
     score: jax.Array
+    norm_score: jax.Array
 
     def slot_start(self, sink: int, window: int) -> jax.Array:
         """[B, NL] absolute position of each entry's first token (window w starts at S + wW)."""
@@ -184,6 +187,7 @@ def init_cache(
             win=jnp.full((L, b, nl), -1, jnp.int32),
             active=z((nl,), bool),
             score=z((nl,), jnp.float32),
+            norm_score=z((nl if caps.norm_scored else 0,), jnp.float32),
         ),
         promotions=counter,
         demotions=counter,

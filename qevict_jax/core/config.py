@@ -17,6 +17,9 @@ LINEAR_RANKINGS = ("cumulative", "cumulative-all", "decayed", "keynorm", "restkv
 """The rankings whose ``update`` is linear in the mass (``ScoreDynamics.linear_in_mass``; a test holds them
 equal): those ``deferred_head_mean`` accepts."""
 
+Q_RANKS = ("score", "keynorm", "blend")
+"""The names ``CacheConfig.q_rank`` accepts: how the windows not in F compete for the Q tier."""
+
 CACHE_BOUNDS = (
     Bound("bits", lambda v: v in (2, 4), "2 or 4"),
     Bound("window", lambda v: v >= 1, ">= 1"),
@@ -57,6 +60,11 @@ class CacheConfig:
         default), "cumulative-all" (initialized from every prompt query, H2O-style: ablation), "decayed"
         (exponentially decayed attention), "pnorm" (sum over queries of window mass to the power ``p``),
         "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill).
+    q_rank: how the windows that do not make F compete for the Q tier (F is always the top NF by the
+        ranking): "score" (by the ranking's key, as F), "keynorm" (by minus the window's mean key norm,
+        which no query changes: a context compressed before its question keeps in Q what key norm keeps),
+        "blend" (by the better of the two percentiles among the competitors: a window in the top of either
+        stays). Not "score": each ledger entry keeps its window's key-norm score (``Ledger.norm_score``).
     n_obs: observation window: the last ``n_obs`` prompt queries whose attention initializes the scores.
     max_pool_width: max-pool width over neighbouring tokens of the observation rows (SnapKV-style; 0 = none).
     spill: tokens after a window whose windows are ranked with its score when it is higher (the
@@ -89,6 +97,7 @@ class CacheConfig:
     budget: float = 0.2
     budget_bytes: int | None = None
     ranking: str = "cumulative"
+    q_rank: str = "score"
     n_obs: int = 32
     max_pool_width: int = 0
     spill: int = 8
@@ -126,6 +135,8 @@ class CacheConfig:
             )
         if self.ranking not in RANKINGS:
             raise ValueError(f"unknown ranking {self.ranking!r}; available: {', '.join(RANKINGS)}")
+        if self.q_rank not in Q_RANKS:
+            raise ValueError(f"unknown q_rank {self.q_rank!r}; available: {', '.join(Q_RANKS)}")
         if self.deferred_head_mean and self.ranking not in LINEAR_RANKINGS:
             linear = ", ".join(LINEAR_RANKINGS)
             raise ValueError(
@@ -154,6 +165,7 @@ class Capacities:
     pool: the cache is the token pool's (``cache.PoolCache``), else the window engine's (``TieredCache``).
     deferred_head_mean: the cache keeps per-KV-head running masses, folded into the scores at routing
         events (``CacheConfig.deferred_head_mean``).
+    q_rank: how windows compete for the Q tier (``CacheConfig.q_rank``).
     """
 
     sink: int
@@ -173,6 +185,12 @@ class Capacities:
     pool: bool = False
     quant: str = "channel"
     deferred_head_mean: bool = False
+    q_rank: str = "score"
+
+    @property
+    def norm_scored(self) -> bool:
+        """The ledger keeps each window's key-norm score (``q_rank`` other than "score")."""
+        return self.q_rank != "score"
 
     @property
     def format(self) -> QuantFormat:

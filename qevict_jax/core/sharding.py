@@ -88,6 +88,7 @@ CACHE_LAYOUTS: dict[type, dict[str, str]] = {
         "win": BATCH,  # [L, B, NL]
         "active": BATCH,  # [L, B, NL]
         "score": BATCH,  # [L, B, NL]
+        "norm_score": BATCH,  # [L, B, NL | 0]
     },
     QuantizedWindows: {
         "k_codes": HEADS,  # [L, B, Hkv, NL, D, W*bits/8]

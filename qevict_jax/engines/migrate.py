@@ -119,6 +119,7 @@ def place_candidates(row: Any, plan: RoutingPlan, candidates: Candidates) -> Any
             win=plan.ledger_win,
             active=plan.ledger_active,
             score=plan.ledger_score.astype(row.ledger.score.dtype),
+            norm_score=plan.ledger_norm_score.astype(row.ledger.norm_score.dtype),
         ),
         promotions=row.promotions + plan.promotions,
         demotions=row.demotions + plan.demotions,

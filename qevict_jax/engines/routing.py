@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qevict_jax.rankings.windows import spilled_key
+from qevict_jax.rankings.windows import blended_key, key_norm_score, spilled_key
 
 
 class Candidates(NamedTuple):
@@ -60,6 +60,7 @@ class RoutingPlan(NamedTuple):
         reactivates a dormant entry needs no data and has no target).
     admit_q_slot: [K] ledger slot receiving candidate j quantized, NL = none.
     promotions, demotions, evictions: [] int32 counts of Q->F, F->Q and windows evicted.
+    ledger_norm_score: [NL | 0] new ``Ledger.norm_score`` (0 wide unless the Q tier is ranked by key norm).
     """
 
     f_win: jax.Array
@@ -74,6 +75,16 @@ class RoutingPlan(NamedTuple):
     promotions: jax.Array
     demotions: jax.Array
     evictions: jax.Array
+    ledger_norm_score: jax.Array
+
+
+class NormScores(NamedTuple):
+    """Minus the mean key norm of the windows of one routing event (``key_norm_score``), for a Q tier
+    ranked by key norm (``CacheConfig.q_rank``): f [NF] of the F slots, ledger [NL] as stored, cand [K]."""
+
+    f: jax.Array
+    ledger: jax.Array
+    cand: jax.Array
 
 
 def _rank(key: jax.Array) -> jax.Array:
@@ -133,6 +144,8 @@ def plan_routing(
     promotion: bool,
     spill: int = 0,
     num_windows: int = 0,
+    q_rank: str = "score",
+    norms: NormScores | None = None,
 ) -> RoutingPlan:
     """Plan one routing event for one row.
 
@@ -141,6 +154,9 @@ def plan_routing(
     holds at most ``min(nq, NL - dormant entries after the event)`` (see the module docstring).
     spill: windows are ranked by ``windows.spilled_key`` over the windows taking part (ids < num_windows);
     the scores the plan stores are the windows' own.
+    q_rank: the key of the Q tier among the windows not in F (``CacheConfig.q_rank``): "score" (the ranking
+    key, as F), "keynorm" (``norms``) or "blend" (``windows.blended_key`` of the two); ``norms``: the
+    windows' key-norm scores (needed unless "score").
     """
     nf, nl, k = f_win.shape[0], ledger_win.shape[0], cand_win.shape[0]
     f_valid = f_win >= 0
@@ -164,7 +180,11 @@ def plan_routing(
     q_cap = jnp.minimum(nq, nl - jnp.sum(keep_dormant | promoted, dtype=jnp.int32))
 
     q_eligible = valid & ~in_f
-    in_q = top_members(key, q_eligible, nq, q_cap)
+    q_key = key
+    if q_rank != "score":
+        norm_key = jnp.concatenate([norms.f, norms.ledger, norms.cand]).astype(jnp.float32)
+        q_key = norm_key if q_rank == "keynorm" else blended_key(key, norm_key, q_eligible)
+    in_q = top_members(q_key, q_eligible, nq, q_cap)
     gone = valid & ~in_f & ~in_q
     f_in_q, q_in_q, c_in_q = jnp.split(in_q, [nf, nf + nl])
     f_gone, q_gone, _ = jnp.split(gone, [nf, nf + nl])
@@ -197,6 +217,13 @@ def plan_routing(
     new_led_score = jnp.where(reactivate, react_score, jnp.where(keep_active, q_score, 0.0))
     new_led_score = new_led_score.at[q_target].set(jnp.concatenate([f_score, cand_score]), mode="drop")
 
+    # a window's key-norm score moves with its codes: set at quantization, kept while the entry is kept
+    if norms is None:
+        new_led_norm = jnp.zeros((0,), jnp.float32)
+    else:
+        new_led_norm = jnp.where(freed, 0.0, norms.ledger.astype(jnp.float32))
+        new_led_norm = new_led_norm.at[q_target].set(jnp.concatenate([norms.f, norms.cand]), mode="drop")
+
     count = lambda x: jnp.sum(x, dtype=jnp.int32)
     return RoutingPlan(
         f_win=new_fp_win,
@@ -211,6 +238,7 @@ def plan_routing(
         promotions=count(promoted),
         demotions=count(f_valid & f_in_q),
         evictions=count(gone),
+        ledger_norm_score=new_led_norm,
     )
 
 
@@ -236,9 +264,15 @@ def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def plan_for_row(
-    row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion: bool, spill: int = 0
-) -> RoutingPlan:
-    """``plan_routing`` of one row of a ``TieredCache`` against candidates cand_win, cand_score [K]."""
+    row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion: bool, spill: int = 0, *,
+    cand_norm: jax.Array | None = None,
+) -> RoutingPlan:  # fmt: skip
+    """``plan_routing`` of one row of a ``TieredCache`` against candidates cand_win, cand_score [K];
+    cand_norm [K]: their key-norm scores (``key_norm_score``), needed when ``caps.norm_scored``."""
+    caps = row.caps
+    norms = None
+    if caps.norm_scored:
+        norms = NormScores(key_norm_score(row.f_k.swapaxes(0, 1)), row.ledger.norm_score, cand_norm)
     return plan_routing(
         row.f_win,
         row.f_score,
@@ -250,7 +284,9 @@ def plan_for_row(
         nq=row.caps.nq,
         promotion=promotion,
         spill=spill,
-        num_windows=row.caps.nw_max,
+        num_windows=caps.nw_max,
+        q_rank=caps.q_rank,
+        norms=norms,
     )
 
 
@@ -263,7 +299,8 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, Cand
     cand_k = row.ring_k.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_v = row.ring_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_score = ranking.candidate_score(row.ring_score[ring_slot], cand_k.swapaxes(0, 1))
-    plan = plan_for_row(row, cand_win, cand_score, promotion, ranking.spill)
+    cand_norm = key_norm_score(cand_k.swapaxes(0, 1)) if caps.norm_scored else None
+    plan = plan_for_row(row, cand_win, cand_score, promotion, ranking.spill, cand_norm=cand_norm)
     return plan, Candidates(cand_k, cand_v, cand_win)
 
 
@@ -286,6 +323,7 @@ def idle_plan(row: Any) -> tuple[RoutingPlan, Candidates]:
         promotions=zero,
         demotions=zero,
         evictions=zero,
+        ledger_norm_score=row.ledger.norm_score,
     )
     cand = jnp.zeros((hkv, k, caps.window, d), row.ring_k.dtype)
     return plan, Candidates(cand, cand, jnp.full((k,), -1, jnp.int32))

@@ -27,6 +27,7 @@ from qevict_jax.core.sharding import REPLICATED, ROW_HEADS, ROWS, on_shards
 from qevict_jax.engines.migrate import apply_plan
 from qevict_jax.engines.routing import Candidates, RoutingPlan, compact, plan_for_row
 from qevict_jax.rankings.scoring import PromptPass, Ranking
+from qevict_jax.rankings.windows import key_norm_score, prompt_windows
 
 # ---------------------------------------------------------------------------------------------- prefill
 
@@ -55,9 +56,14 @@ def prefill_layer(
     win_ids = jnp.arange(num_prompt_windows, dtype=jnp.int32)
     cand_win = jnp.where(win_ids[None] < routed[:, None], win_ids[None], -1)  # [B, NWP]
     # the tiers are empty: no window is demoted or promoted, so only candidates move (F copy or quantized)
+    norms = None  # the prompt windows' key-norm scores, for a Q tier ranked by them
+    if caps.norm_scored:
+        norms = key_norm_score(prompt_windows(k, s, w, num_prompt_windows).swapaxes(2, 3))  # [B, NWP]
     plan = jax.vmap(
-        lambda row, c_win, c_score: plan_for_row(row, c_win, c_score, config.promotion, ranking.spill)
-    )(cache, cand_win, scores)
+        lambda row, c_win, c_score, c_norm: plan_for_row(
+            row, c_win, c_score, config.promotion, ranking.spill, cand_norm=c_norm
+        )
+    )(cache, cand_win, scores, norms)
     plan, kept = kept_windows(plan, cand_win, k, v, sink=s, window=w, nf=caps.nf, nl=caps.nl)
     cache = jax.vmap(lambda row, p, c: apply_plan(row, p, c, ctx.inv_freq, bound=0))(cache, plan, kept)
 

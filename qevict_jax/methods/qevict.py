@@ -35,6 +35,7 @@ QEVICT_OPTIONS = (
     "bits",
     "quant",
     "ranking",
+    "q_rank",
     "n_obs",
     "max_pool_width",
     "spill",
