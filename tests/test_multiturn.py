@@ -112,6 +112,8 @@ def _sample_value(method, option: str):
         return 4 if current == 2 else 2
     if option == "quant":
         return "rot-k4v2" if current != "rot-k4v2" else "channel"
+    if option == "q_rank":
+        return "blend" if current != "blend" else "score"
     if option in ("window",):
         return 16 if current != 16 else 8
     if option == "recent":

@@ -56,8 +56,8 @@ def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(
     The Q tier holds min(nq, nl - dormant entries after the event): F windows staying in F that hold one,
     plus the Q windows promoted to F. spill: a window is ranked by the highest score among itself and the
     entries of the ``spill`` window ids before it. q_rank: the Q tier's key among the windows not in F:
-    the same key ("score"), ``norm`` [window -> key-norm score] ("keynorm"), or the better of the two
-    rank shares among those windows ("blend").
+    the same key ("score"), ``norm`` [window -> key-norm score] spilled the same way ("keynorm"), or the
+    better of the two rank shares among those windows ("blend").
     """
     key = [max(s for v, s, _ in entries if w - spill <= v <= w) for w, _, _ in entries]
     f_set, q_set = set(), set()
@@ -71,7 +71,9 @@ def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(
     if q_rank == "score":
         order = [rest[j] for j in stable_order([key[i] for i in rest])]
     else:
-        by_norm = stable_order([norm[entries[i][0]] for i in rest])
+        # the key norm spills as the score does
+        norm_key = [max(norm[v] for v, _, _ in entries if w - spill <= v <= w) for w, _, _ in entries]
+        by_norm = stable_order([norm_key[i] for i in rest])
         if q_rank == "keynorm":
             order = [rest[j] for j in by_norm]
         else:

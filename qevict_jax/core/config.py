@@ -62,7 +62,8 @@ class CacheConfig:
         "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill).
     q_rank: how the windows that do not make F compete for the Q tier (F is always the top NF by the
         ranking): "score" (by the ranking's key, as F), "keynorm" (by minus the window's mean key norm,
-        which no query changes: a context compressed before its question keeps in Q what key norm keeps),
+        which no query changes, spilled as the score is: a context compressed before its question keeps
+        in Q what key norm keeps),
         "blend" (by the better of the two percentiles among the competitors: a window in the top of either
         stays). Not "score": each ledger entry keeps its window's key-norm score (``Ledger.norm_score``).
     n_obs: observation window: the last ``n_obs`` prompt queries whose attention initializes the scores.

@@ -164,7 +164,8 @@ def plan_routing(
     c_valid = cand_win >= 0
     valid = jnp.concatenate([f_valid, q_valid, c_valid])
     score = jnp.concatenate([f_score, ledger_score, cand_score]).astype(jnp.float32)
-    key = spilled_key(jnp.concatenate([f_win, ledger_win, cand_win]), score, valid, spill, num_windows)
+    wins = jnp.concatenate([f_win, ledger_win, cand_win])
+    key = spilled_key(wins, score, valid, spill, num_windows)
     is_q = jnp.concatenate([jnp.zeros(nf, bool), jnp.ones(nl, bool), jnp.zeros(k, bool)])
     f_eligible = valid if promotion else valid & ~is_q
     in_f = top_members(key, f_eligible, nf)
@@ -182,7 +183,9 @@ def plan_routing(
     q_eligible = valid & ~in_f
     q_key = key
     if q_rank != "score":
-        norm_key = jnp.concatenate([norms.f, norms.ledger, norms.cand]).astype(jnp.float32)
+        # spilled as the score is: a needle's continuation keeps the tier its start earns by key norm
+        norm = jnp.concatenate([norms.f, norms.ledger, norms.cand])
+        norm_key = spilled_key(wins, norm, valid, spill, num_windows)
         q_key = norm_key if q_rank == "keynorm" else blended_key(key, norm_key, q_eligible)
     in_q = top_members(q_key, q_eligible, nq, q_cap)
     gone = valid & ~in_f & ~in_q
