@@ -4,7 +4,8 @@
 
     .venv/bin/python tests/pin_tokens.py --write      # (re)write the pins: runs everything twice, and refuses
                                                       # to write when a method's two runs differ
-    .venv/bin/python tests/pin_tokens.py --out F.json # one run, its measurements written to F.json
+    .venv/bin/python tests/pin_tokens.py --out F.json # one run, its measurements written to F.json, with
+                                                      # each method's tie deficits where its tokens differ
 
 The prompt is the ``qevict needle`` prompt (``qevict_jax.eval.needle``: pydoc prose, one needle at half depth, the
 question, the chat template and the answer prefix) for seed 0 and a 1,900-token haystack: 1,984 tokens of
@@ -13,6 +14,13 @@ evaluation runs them), with 10 new tokens; Full-KV and the default QEvict also r
 their own, which must give the same tokens. Per method the pins hold the tokens, the measured memory ratio
 (cache bytes / Full-KV bytes of the final length) and the routing counters of a budgeted cache
 (``methods.cache_stats``).
+
+Greedy decoding at a near tie is decided by the last bits of the logits, and those differ between CPUs (XLA
+emits other vector code for another instruction set) and between fusions of one program. So where a run's tokens
+differ from the pins, ``--out`` also teacher-forces the *pinned* tokens through that method
+(``generate.teacher_forced``) and records each step's deficit: the best log-probability minus the pinned token's.
+Pinned tokens whose deficits all stay within ``TIE_NATS`` are still a greedy decoding of this machine's logits,
+ties aside; a change of arithmetic moves some deficit far beyond it.
 
 Compiling 27 decode loops and the shared prefill dominates the run time on a small CPU machine, so the script
 keeps XLA's persistent compilation cache in ``<qevict cache>/xla`` (``models.registry.cache_root``: the
@@ -33,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from models.checkpoint import load_model
 from models.registry import cache_root, resolve_model
@@ -41,7 +50,7 @@ from qevict_jax.core.cache import SinkRingCache
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
 from qevict_jax.methods.registry import available_methods, cache_stats, default_method, make_method
 from qevict_jax.rankings.gates import UNTRAINED
-from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared
+from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared, teacher_forced
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = Path(__file__).resolve().parent / "data" / "token_pins.json"
@@ -52,11 +61,14 @@ SEED = 0
 CONTEXT_TOKENS = 1900
 DEPTH = 0.5
 ALONE = ("full", "qevict", "streamingllm")
-"""Methods also run through ``generate`` on their own (its own prefill): their tokens must be the shared ones.
-StreamingLLM is one of them because its tokens on this prompt sit near a tie (its third token flipped once
-between two commits that changed no arithmetic, only how XLA fused the 27-method shared prefill); the pin is
-the tokens its own prefill gives (the same at 7adf2cc, the commit before the issue-27 refactor, and after it),
-and this check says when the shared pass stops agreeing with it."""
+"""Methods also run through ``generate`` on their own (its own prefill): their tokens must be the shared ones,
+ties aside. StreamingLLM is one of them because its tokens on this prompt sit at a near tie: its third token
+flipped between two commits that changed no arithmetic (how XLA fused the shared prefill), and between two CI
+machines on one commit."""
+TIE_NATS = 1e-3
+"""Largest deficit (nats) of a pinned token that counts as a tie: streamingllm's third token is one (its pinned
+token trails the best by 1.1e-5 nats where the two runs part), and reordered float32 sums move log-probabilities
+by about that much; any change of arithmetic that the pins exist to catch moves some greedy token far more."""
 
 SKIPPED: dict[str, str] = {}
 """Registered methods left out, with why. None: every method runs at β = 0.2 on this prompt. KIVI keeps every
@@ -144,6 +156,26 @@ def measure(model, tok: Tokenizer) -> dict[str, Any]:
     }
 
 
+def tie_deficits(model, tok: Tokenizer, got: dict[str, Any], pins: dict[str, Any]) -> dict[str, list[float]]:
+    """Per method whose tokens in ``got`` (shared or alone) differ from the ``pins``': the deficit of each
+    pinned token under teacher forcing [NEW_TOKENS] (best log-probability minus the pinned token's, >= 0)."""
+    ids = prompt_ids(tok)
+    by_name = {m.name: m for m in pinned_methods()}
+    differ = sorted(
+        name
+        for name, want in pins["methods"].items()
+        if name in got["methods"]
+        and (got["methods"][name]["tokens"] != want["tokens"] or got["alone"].get(name, want["tokens"]) != want["tokens"])
+    )
+    out = {}
+    for name in differ:
+        pinned = np.asarray([pins["methods"][name]["tokens"]], np.int32)
+        logprobs = teacher_forced(model, [ids], pinned, by_name[name]).logprobs[0]  # [T, V]
+        chosen = np.take_along_axis(logprobs, pinned[0][:, None], axis=-1)[:, 0]
+        out[name] = [float(x) for x in logprobs.max(axis=-1) - chosen]
+    return out
+
+
 def _commit() -> str:
     try:
         head = subprocess.run(
@@ -177,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     got = measure(model, tok)
     print(f"measured {len(got['methods'])} methods in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if args.out is not None:
+        if PINS.exists():
+            got["tie_deficits"] = tie_deficits(model, tok, got, json.loads(PINS.read_text()))
         args.out.write_text(json.dumps(got, indent=1) + "\n")
     if args.write:
         again = measure(model, tok)  # same process, executables cached: a second run, compared

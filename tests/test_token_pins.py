@@ -2,6 +2,10 @@
 β = 0.2 generate exactly the pinned tokens, at the pinned measured memory ratio, with the pinned routing counters
 (``tests/data/token_pins.json``, written by ``python tests/pin_tokens.py --write``).
 
+Tokens that differ from the pins pass only at a near tie: teacher-forced, every pinned token is within
+``TIE_NATS`` of the best log-probability on this machine (``pin_tokens.tie_deficits``). A method excused so is
+held to its pinned bytes, not to its routing counters (a routing event's scores depend on the tokens decoded).
+
 The run is a subprocess of ``pin_tokens.py``: its own process for the compilation of 27 decode loops and a shared
 prefill (kept out of this process's executable cache and memory mappings), with XLA's persistent compilation
 cache, so a rerun on unchanged code loads the executables.
@@ -15,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pin_tokens import NEW_TOKENS, SKIPPED
+from pin_tokens import NEW_TOKENS, SKIPPED, TIE_NATS
 
 from qevict_jax.methods.registry import available_methods
 
@@ -52,14 +56,21 @@ def test_the_prompt_and_the_methods_are_the_pinned_ones(measured, pins):
     )
 
 
+def at_a_tie(measured: dict, name: str) -> bool:
+    """The pinned tokens of ``name`` are a greedy decoding of this run's logits up to near ties."""
+    deficits = measured.get("tie_deficits", {}).get(name)
+    return deficits is not None and max(deficits) <= TIE_NATS
+
+
 @pytest.mark.slow
 def test_every_method_generates_the_pinned_tokens(measured, pins):
     differ = {
-        name: (measured["methods"][name]["tokens"], want["tokens"])
+        name: (measured["methods"][name]["tokens"], want["tokens"], measured.get("tie_deficits", {}).get(name))
         for name, want in pins["methods"].items()
         if name in measured["methods"] and measured["methods"][name]["tokens"] != want["tokens"]
     }
-    assert differ == {}, f"(measured, pinned) tokens: {differ}"
+    beyond_ties = {name: d for name, d in differ.items() if not at_a_tie(measured, name)}
+    assert beyond_ties == {}, f"(measured, pinned tokens, pinned tokens' deficits): {beyond_ties}"
 
 
 @pytest.mark.slow
@@ -72,15 +83,17 @@ def test_every_method_keeps_its_pinned_memory_and_counters(measured, pins):
         assert got["cache_bytes"] == want["cache_bytes"], name
         assert got["full_kv_bytes"] == want["full_kv_bytes"], name
         assert got["compressed"] == want["compressed"], name
-        assert got.get("counters") == want.get("counters"), name
+        if got["tokens"] == want["tokens"] or not at_a_tie(measured, name):
+            assert got.get("counters") == want.get("counters"), name
 
 
 @pytest.mark.slow
 def test_a_method_alone_generates_what_it_generates_in_the_shared_prefill(measured, pins):
-    """``generate`` with one method (its own prefill) gives the tokens of the shared prefill, pinned."""
+    """``generate`` with one method (its own prefill) gives the tokens of the shared prefill, pinned (ties
+    aside)."""
+    assert sorted(measured["alone"]) == sorted(pins["alone"])
     for name, tokens in measured["alone"].items():
-        assert tokens == pins["methods"][name]["tokens"], name
-    assert measured["alone"] == pins["alone"]
+        assert tokens == pins["methods"][name]["tokens"] or at_a_tie(measured, name), name
 
 
 def test_the_pins_cover_full_kv_and_every_registered_method():
