@@ -9,7 +9,10 @@ over QEvict's decode time. With ``--hf``, Hugging Face transformers' eager Full-
 (batch 1) is the outside reference.
 
 Usage: python bench/decode_cpu.py [--model qwen2.5-coder-0.5b-instruct] [--contexts 4000,8000] [--batches 1,4]
-  [--new-tokens 64] [--hf]
+  [--new-tokens 64] [--method "qevict-int2"] [--hf]
+
+``--method`` times another window method (a spec, ``name[,option=value...]``; default the default ``qevict``)
+at ``--budget``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from qevict_jax.core.budget import BudgetedTiers
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
 from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
+from qevict_jax.pipeline import resolve_method
 from qevict_jax.runtime.compiled import EXECUTABLES
 from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.results import GenerationResult
@@ -90,6 +94,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--method", default="qevict", help="window method spec: name[,option=value...]")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-reference", action="store_true", help="skip QEvict through the jnp reference")
     ap.add_argument("--hf", action="store_true", help="also time transformers' eager Full-KV (batch 1)")
@@ -101,12 +106,15 @@ def main() -> None:
     g = args.new_tokens
     sampler = SamplerConfig(max_new_tokens=g)  # no EOS: every run decodes g tokens
     full = make_method("full", 1.0)
-    qevict = make_method("qevict", args.budget)
+    qevict = resolve_method(args.method, args.budget)
+    if not isinstance(getattr(qevict, "allocation", None), BudgetedTiers):
+        ap.error(f"--method {args.method!r}: not a budgeted window method (QEvict, R1-R4 and their variants)")
     no_routing = dataclasses.replace(qevict, allocation=NoDecodeRouting())
 
     print(
         f"{args.model}, f32 compute, bf16 KV, CPU, {g} new tokens (greedy, no EOS); "
-        f"QEvict β={args.budget}, Ω={qevict.cache.omega}, W={qevict.cache.window}"
+        f"{qevict.name} β={qevict.cache.budget}, Ω={qevict.cache.omega}, W={qevict.cache.window}, "
+        f"q_frac={qevict.cache.q_frac}, quant={qevict.cache.quant}, q_rank={qevict.cache.q_rank}"
     )
     print(
         "| prompt tokens | batch | method | TTFT (s) | ms/step | tok/s | tok/s vs Full-KV | TTFT vs Full-KV "
@@ -124,8 +132,8 @@ def main() -> None:
                 )
                 prompts.append(tok.encode(text + s.answer_prefix))
             rows = [("full", timed(model, prompts, sampler, full, args.repeats))]
-            paths = [("qevict (CPU kernel)", "1")] + (
-                [] if args.no_reference else [("qevict (jnp ref)", "0")]
+            paths = [(f"{qevict.name} (CPU kernel)", "1")] + (
+                [] if args.no_reference else [(f"{qevict.name} (jnp ref)", "0")]
             )
             for label, flag in paths:
                 os.environ["QEVICT_CPU_KERNEL"] = flag

@@ -128,10 +128,16 @@ class WindowMethod(SizedByCapacities, Compressing):
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # R3 with half of the historical bytes in Q, not the paper's 0.70 (the ``CacheConfig`` default, kept by
-    # r3, r4 and the ablations below): chosen on RULER at 2K (README, "Results"), where 0.70 put too few
-    # windows in F for retrieval; checked afterwards at 4K
-    "qevict": {"q_frac": 0.5},
+    # One configuration for a question in the prompt and for a context compressed before its question: attention
+    # chooses F; Q holds the windows in the top of either the attention ranking or the key-norm ranking
+    # (q_rank "blend": a later question cannot contradict a key norm), in the centered rotated format that
+    # reads both models' K/V back (crot-k4v3, 31.4% of an F window), with 85% of the historical bytes in Q
+    # (about 18 Q windows per F window). Chosen on development samples (seed 1000, 2K, both modes) against
+    # q_frac 0.70 / 0.90 / 0.95 and q_rank "score" / "keynorm" (docs/results.md, "One default for both modes")
+    "qevict": {"q_frac": 0.85, "quant": "crot-k4v3", "q_rank": "blend"},
+    # the default before issue 25 (KIVI's INT2 tier, half of the historical bytes in Q, ranked by attention
+    # alone): chosen on RULER at 2K, where 0.70 put too few windows in F for retrieval; kept for ablation
+    "qevict-int2": {"q_frac": 0.5},
     "r1": {"window": 1, "q_frac": 0.0},  # token-level eviction
     "r2": {"window": 8, "q_frac": 0.0},  # two-tier window eviction
     "r3": {"window": 8},
