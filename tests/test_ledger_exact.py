@@ -1,6 +1,7 @@
 """The ledger stays bit-exact: over thousands of random routing events on a (nearly always) full ledger,
 with promotions and demotions, every window's ledger codes are the codes of its first quantization, and
-a promoted window's F copy is their dequantization.
+a promoted window's F copy is their dequantization. With a Q tier ranked by key norm (``q_rank`` "blend", the
+default's), each entry's key-norm score is likewise the one taken at its first quantization.
 
 The code under test is ``plan_routing`` + ``apply_plan`` on a real one-row ``TieredCache``; the references
 are computed independently: each window's codes by ``quantize_windows`` of its original KV (one window at
@@ -23,6 +24,7 @@ from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import Capacities, ring_capacity
 from qevict_jax.engines.migrate import apply_plan, dequantize_windows, quantize_windows
 from qevict_jax.engines.routing import Candidates, plan_counts, plan_for_row
+from qevict_jax.rankings.windows import key_norm_score
 
 W, D, NF, NQ, K = 8, 8, 3, 4, 2
 # QuantizedWindows leaves, in order (k_mean: the centered format's only)
@@ -45,7 +47,7 @@ MODEL = ModelConfig(
 INV_FREQ = jnp.asarray(MODEL.inv_freq(), jnp.float32)
 
 
-def caps_for(nl: int, quant: str = "channel") -> Capacities:
+def caps_for(nl: int, quant: str = "channel", q_rank: str = "score") -> Capacities:
     return Capacities(
         sink=2,
         window=W,
@@ -58,16 +60,23 @@ def caps_for(nl: int, quant: str = "channel") -> Capacities:
         bits=2,
         omega=8,
         quant=quant,
+        q_rank=q_rank,
     )
 
 
+def mean_key_norm(k: np.ndarray) -> float:
+    """Minus the mean L2 norm of a window's keys k [Hkv, W, D] (float64)."""
+    return -float(np.mean(np.linalg.norm(k.astype(np.float64), axis=-1)))
+
+
 @functools.cache
-def jitted_event(nl: int, promotion: bool, quant: str):
+def jitted_event(nl: int, promotion: bool, quant: str, q_rank: str):
     """One routing event of one row: (row, cand_win [K], cand_score [K], cand_k, cand_v) -> (row, plan,
     the row moved on the bounded path with bound 1, whether the plan fits that bound)."""
 
     def event(row, cand_win, cand_score, cand_k, cand_v):
-        plan = plan_for_row(row, cand_win, cand_score, promotion)
+        cand_norm = key_norm_score(cand_k.swapaxes(0, 1)) if q_rank != "score" else None  # [K]
+        plan = plan_for_row(row, cand_win, cand_score, promotion, cand_norm=cand_norm)
         candidates = Candidates(cand_k, cand_v, cand_win)
         full = apply_plan(row, plan, candidates, INV_FREQ)
         bounded = apply_plan(row, plan, candidates, INV_FREQ, bound=1)
@@ -90,21 +99,22 @@ def jitted_reference(nl: int, quant: str):
 
 
 @pytest.mark.parametrize(
-    "reserve, dtype, promotion, events, quant",
+    "reserve, dtype, promotion, events, quant, q_rank",
     [
-        (1, jnp.float32, True, 2500, "channel"),
-        (2, jnp.bfloat16, True, 1500, "channel"),
-        (1, jnp.float32, False, 400, "channel"),
-        (1, jnp.bfloat16, True, 1000, "rot-k4v3"),
-        (1, jnp.bfloat16, True, 1000, "kch2-rotv3"),
-        (1, jnp.bfloat16, True, 1000, "crot-k4v3"),
+        (1, jnp.float32, True, 2500, "channel", "score"),
+        (2, jnp.bfloat16, True, 1500, "channel", "score"),
+        (1, jnp.float32, False, 400, "channel", "score"),
+        (1, jnp.bfloat16, True, 1000, "rot-k4v3", "score"),
+        (1, jnp.bfloat16, True, 1000, "kch2-rotv3", "score"),
+        (1, jnp.bfloat16, True, 1000, "crot-k4v3", "score"),
+        (1, jnp.bfloat16, True, 1000, "crot-k4v3", "blend"),  # the default qevict's
     ],
 )
-def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events, quant):
+def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events, quant, q_rank):
     nl = NQ + reserve
-    caps = caps_for(nl, quant)
+    caps = caps_for(nl, quant, q_rank)
     hkv = MODEL.num_kv_heads
-    step = jitted_event(nl, promotion, quant)
+    step = jitted_event(nl, promotion, quant, q_rank)
     reference = jitted_reference(nl, quant)
     row = jax.tree.map(lambda x: x[0, 0], init_cache(caps, MODEL, 1, dtype))
     rng = np.random.default_rng(1234 + reserve)
@@ -113,6 +123,7 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
     ref_codes: dict[int, tuple[np.ndarray, ...]] = {}
     ref_deq: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # dequantized codes, in the cache dtype
     first_codes: dict[int, tuple[np.ndarray, ...]] = {}  # codes seen at a window's first ledger entry
+    first_norm: dict[int, float] = {}  # key-norm score of a window's keys when it was first quantized
     ever_quantized: set[int] = set()
     ever_promoted: set[int] = set()
     evicted: set[int] = set()
@@ -152,7 +163,15 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
             (int(w), float(s), True) for w, s, a in zip(ledger_win, ledger_score, ledger_active, strict=True) if a
         ]
         entries += [(int(w), float(s), False) for w, s in zip(cand_win, cand_score, strict=True) if w >= 0]
-        want_f, want_q = reference_assignment(entries, NF, NQ, nl, promotion, frozenset(old_dormant))
+        norm = None
+        if q_rank != "score":  # F windows by their F copy's keys, Q entries as stored, candidates by their keys
+            old_f_k = np.asarray(row.f_k.astype(jnp.float32))
+            norm = {int(w): mean_key_norm(old_f_k[:, i]) for i, w in enumerate(f_win) if w >= 0}
+            norm |= {w: first_norm[w] for w in old_active}
+            norm |= {next_win - n_cand + j: mean_key_norm(kv[0, :, j]) for j in range(n_cand)}
+        want_f, want_q = reference_assignment(
+            entries, NF, NQ, nl, promotion, frozenset(old_dormant), q_rank=q_rank, norm=norm
+        )
 
         row, _, bounded, fits = step(
             row, jnp.asarray(cand_win), jnp.asarray(cand_score), jnp.asarray(kv[0]), jnp.asarray(kv[1])
@@ -166,6 +185,7 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
         f_k = np.asarray(row.f_k.astype(jnp.float32))
         f_v = np.asarray(row.f_v.astype(jnp.float32))
         ledger = [np.asarray(x) for x in jax.tree.leaves(row.ledger.codes)]
+        ledger_norm = np.asarray(row.ledger.norm_score)
 
         in_f = [int(w) for w in f_win if w >= 0]
         in_q = [int(w) for w, a in zip(ledger_win, ledger_active, strict=True) if a]
@@ -205,6 +225,10 @@ def test_ledger_codes_are_first_codes_forever(reserve, dtype, promotion, events,
                 assert w not in ever_quantized
                 first_codes[w] = codes
                 ever_quantized.add(w)
+                if q_rank != "score":  # quantized from its F copy (never promoted) or from the candidate
+                    first_norm[w] = mean_key_norm(orig[w][0])
+            if q_rank != "score":  # the key-norm score of its first quantization, kept with its codes
+                assert ledger_norm[slot] == pytest.approx(first_norm[w], rel=1e-5), ("norm", w)
             # a window's codes are its first codes, and those of the reference quantizer, bit for bit
             chex.assert_trees_all_equal(named(codes), named(first_codes[w]))
             chex.assert_trees_all_equal(named(codes), named(ref_codes[w]))

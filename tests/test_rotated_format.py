@@ -35,6 +35,7 @@ from pallas_kernels.splitk import Launch
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
 from qevict_jax.methods.full import FullKV
+from qevict_jax.methods.registry import cache_stats
 from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.sampling import SamplerConfig
 
@@ -235,16 +236,21 @@ def test_format_names_are_checked():
 
 
 @pytest.mark.parametrize(
-    "quant, q_rank", [("rot-k4v3", "score"), ("rot-k4v2", "score"), ("kch2-rotv3", "score"), ("crot-k4v3", "blend")]
+    "quant, q_rank",
+    [("rot-k4v3", "score"), ("rot-k4v2", "score"), ("kch2-rotv3", "score"), (None, None)],  # None: the default's
 )
 def test_qevict_in_the_rotated_format_with_room_for_everything_equals_full_kv(quant, q_rank):
-    """Windows in F only (room for all), routing events on the way: Full-KV's tokens exactly (a Q tier
-    ranked by the blend of attention and key norm included)."""
+    """Room for every window (none evicted; 20 F slots, the other windows in Q), routing events on the way:
+    Full-KV's tokens exactly (the default qevict, crot-k4v3 ranked by the blend of attention and key norm,
+    included)."""
     cfg = tiny_llama(2048)
     model = Transformer(cfg, rngs=nnx.Rngs(3))
     prompt = np.random.default_rng(4).integers(0, cfg.vocab_size, 300).tolist()
     sampler = SamplerConfig(max_new_tokens=12)
-    method = roomy_method("qevict", cfg, 300 + 12, quant=quant, q_rank=q_rank)
+    options = {} if quant is None else {"quant": quant, "q_rank": q_rank}
+    method = roomy_method("qevict", cfg, 300 + 12, **options)
     res = generate(model, [prompt], sampler, method, kv_dtype=jnp.float32)
-    assert res.compressed and res.cache.caps.quant == quant and res.cache.caps.q_rank == q_rank
+    want = (quant, q_rank) if quant is not None else ("crot-k4v3", "blend")
+    assert res.compressed and (res.cache.caps.quant, res.cache.caps.q_rank) == want
+    assert cache_stats(res.cache)["evictions"] == [0]
     assert res.tokens == generate(model, [prompt], sampler, FullKV(), kv_dtype=jnp.float32).tokens
