@@ -30,7 +30,8 @@ from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.sampling import SamplerConfig
 
 TINY = tiny_llama(1024)
-METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16)}
+# q_frac 0.5: at β = 0.4 the default's 0.85 leaves this model one F slot and no tier moves to compare
+METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16, q_frac=0.5)}
 
 
 def report(res, method) -> dict:

@@ -40,8 +40,10 @@ from qevict_jax.runtime.sampling import SamplerConfig  # noqa: E402
 
 TINY = tiny_llama(1024)
 MESHES = [(2, 2), (1, 4), (2, 4)]
-METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16)}
-DEFERRED = make_method("qevict", 0.4, omega=2, recent=16, deferred_head_mean=True)
+# q_frac 0.5: at β = 0.4 the default's 0.85 leaves this model one F slot, which no window ever takes from the
+# first one, and the runs must move windows between tiers (the default's format and Q ranking stay)
+METHODS = {"full": make_method("full"), "qevict": make_method("qevict", 0.4, omega=2, recent=16, q_frac=0.5)}
+DEFERRED = make_method("qevict", 0.4, omega=2, recent=16, q_frac=0.5, deferred_head_mean=True)
 PROGRAM_MESHES = [(1, 2), (2, 1), (2, 2), (2, 4)]
 PROGRAM_LENGTHS = (520, 470, 560, 500)
 PROGRAM_METHODS = {

@@ -87,7 +87,8 @@ def test_everything_in_f_matches_full_kv():
     lengths = jnp.asarray([48, 37], jnp.int32)
     tokens = jax.random.randint(jax.random.key(1), (2, p_cap + steps), 0, MODEL.vocab_size)
     ref, _ = run_model(model, FullKV(), tokens, lengths, p_cap, steps, 0)
-    method = roomy_method("qevict", MODEL, 37 + steps, recent=8, omega=4)
+    # q_frac 0.5 (the default's 0.85 would leave F room for only part of the roomy budget): every window in F
+    method = roomy_method("qevict", MODEL, 37 + steps, recent=8, omega=4, q_frac=0.5)
     out, cache = run_model(model, method, tokens, lengths, p_cap, steps, 37 + steps)
     stats = cache_stats(cache)
     assert stats["routing_events"] == [3, 3] and stats["evictions"] == [0, 0]
