@@ -162,8 +162,25 @@ def test_attention_over_rotated_codes_equals_float64_attention_over_the_dequanti
     kernels = _kernels()
     if impl not in kernels:
         pytest.skip(f"the CPU kernel is unavailable: {cpu_ledger.unavailable_reason()}")
+    _check_against_float64(kernels[impl], fmt, d=64, w=8)
+
+
+# head dims and windows beyond the model's (64, 8): the CPU kernel's other compiled shapes (128, 32), a window
+# that is not a multiple of its vector width, and a head dim whose 2-bit plane ends in a partial block of bytes
+@pytest.mark.parametrize("d,w", [(128, 32), (64, 12), (40, 8)])
+@pytest.mark.parametrize("fmt", FORMATS + CENTERED, ids=lambda f: f.name)
+def test_the_cpu_kernel_reads_rotated_codes_at_other_shapes(fmt, d, w):
+    """The CPU kernel unpacks codes in vector lanes and permutes the query to match: at every shape its
+    partial is float64 attention over the decoded K/V."""
+    if not cpu_ledger.available():
+        pytest.skip(f"the CPU kernel is unavailable: {cpu_ledger.unavailable_reason()}")
+    _check_against_float64(cpu_ledger.ledger_attention_cpu, fmt, d=d, w=w)
+
+
+def _check_against_float64(kernel, fmt, *, d: int, w: int) -> None:
+    """The kernel's partial over random K/V encoded in fmt equals float64 attention over the decoded K/V."""
     rng = np.random.default_rng(11)
-    b, hkv, g, d, nl, w = 2, 2, 3, 64, 11, 8
+    b, hkv, g, nl = 2, 2, 3, 11
     k = jnp.asarray(rng.standard_normal((b, hkv, nl, w, d)) * 2, jnp.float32)
     v = jnp.asarray(rng.standard_normal((b, hkv, nl, w, d)), jnp.float32)
     starts = jnp.asarray(rng.integers(0, 400, (b, nl)), jnp.int32)
@@ -173,7 +190,7 @@ def test_attention_over_rotated_codes_equals_float64_attention_over_the_dequanti
     head_starts = starts[:, None]  # [B, 1, NL]: the same positions for every KV head of a row
     codes = fmt.encode(k, v, head_starts, inv)
     q = jnp.asarray(rng.standard_normal((b, hkv, g, d)), jnp.float32)
-    got = jax.jit(functools.partial(kernels[impl], window=w, fmt=fmt))(
+    got = jax.jit(functools.partial(kernel, window=w, fmt=fmt))(
         q, QuantTier(codes, starts, jnp.asarray(valid)), inv
     )
     kd, vd = (np.asarray(x, np.float64) for x in fmt.decode(codes, head_starts, inv))

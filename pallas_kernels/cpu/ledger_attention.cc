@@ -29,6 +29,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -148,17 +152,103 @@ inline void expand(const uint8_t* bytes, int64_t n, int64_t bits, float* out) {
   }
 }
 
-// Expand the codes of one token's D channels (per-token groups, pallas_kernels.quant.pack_tokens): 2 or 4
-// bits interleaved, 3 bits as a 2-bit plane of D/4 bytes then a 1-bit plane of D/8 bytes.
-inline void expand_token(const uint8_t* bytes, int64_t d, int64_t bits, float* out) {
-  if (bits != 3) {
-    expand(bytes, d * bits / 8, bits, out);
-    return;
+typedef float V8 __attribute__((vector_size(32)));    // eight floats (GCC/Clang vector extension)
+typedef int32_t V8i __attribute__((vector_size(32)));  // eight int32
+typedef uint8_t V8b __attribute__((vector_size(8)));   // eight bytes
+
+// Eight bytes zero-extended to eight int32 lanes (one instruction where AVX2 has it; the generic conversion
+// compiles to a chain of scalar inserts).
+inline V8i widen_bytes(const uint8_t* p) {
+#ifdef __AVX2__
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  V8i out;
+  std::memcpy(&out, &x, sizeof(V8i));
+  return out;
+#else
+  V8b raw;
+  std::memcpy(&raw, p, 8);
+  return __builtin_convertvector(raw, V8i);
+#endif
+}
+
+// The codes of one token's D channels (per-token groups, pallas_kernels.quant.pack_tokens: 2 or 4 bits
+// interleaved, byte j holding channels j * per .. j * per + per - 1; 3 bits as a 2-bit plane of D/4 bytes then
+// a 1-bit plane of D/8 bytes) expanded in *lane order*, which a vector unpacks without shuffles: eight bytes
+// at a time, the k-th code of each byte side by side. Element e of the expansion is channel
+// token_order(e); the callers permute the query the same way (keys) or scatter the output back (values).
+template <int kBits>
+inline void expand_lanes(const uint8_t* bytes, int64_t d, float* out) {
+  constexpr int64_t bits = kBits;
+  constexpr int64_t plane = bits == 3 ? 2 : bits;
+  constexpr int64_t per = 8 / plane;
+  constexpr int32_t mask = (1 << plane) - 1;
+  const int64_t nbytes = d * plane / 8;
+  for (int64_t j0 = 0; j0 < nbytes; j0 += 8) {
+    const int64_t lanes = std::min<int64_t>(8, nbytes - j0);
+    float* o = out + j0 * per;
+    if (lanes == 8) {
+      const V8i x = widen_bytes(bytes + j0);
+      for (int64_t k = 0; k < per; ++k) {
+        const V8 f = __builtin_convertvector((x >> static_cast<int32_t>(plane * k)) & mask, V8);
+        std::memcpy(o + 8 * k, &f, sizeof(V8));
+      }
+    } else {
+      for (int64_t k = 0; k < per; ++k)
+        for (int64_t l = 0; l < lanes; ++l) o[k * lanes + l] = static_cast<float>((bytes[j0 + l] >> (plane * k)) & mask);
+    }
   }
-  expand(bytes, d / 4, 2, out);
+  if constexpr (bits != 3) return;
+  // the high plane: + 4 for channel c = (j0 + l) * 4 + k when bit c % 8 of byte c / 8 is set; a block of
+  // eight 2-bit bytes covers 32 channels, one little-endian 32-bit word of the plane
   const uint8_t* high = bytes + d / 4;
-  for (int64_t j = 0; j < d / 8; ++j)
-    for (int k = 0; k < 8; ++k) out[8 * j + k] += static_cast<float>(((high[j] >> k) & 1) << 2);
+  for (int64_t j0 = 0; j0 < nbytes; j0 += 8) {
+    const int64_t lanes = std::min<int64_t>(8, nbytes - j0);
+    float* o = out + j0 * 4;
+    if (lanes == 8) {
+      uint32_t word;
+      std::memcpy(&word, high + j0 / 2, 4);
+      const V8i w = V8i{} + static_cast<int32_t>(word);
+      for (int32_t k = 0; k < 4; ++k) {
+        const V8i shift = {k, 4 + k, 8 + k, 12 + k, 16 + k, 20 + k, 24 + k, 28 + k};
+        V8 f;
+        std::memcpy(&f, o + 8 * k, sizeof(V8));
+        f += 4.0f * __builtin_convertvector((w >> shift) & 1, V8);
+        std::memcpy(o + 8 * k, &f, sizeof(V8));
+      }
+    } else {
+      for (int64_t k = 0; k < 4; ++k)
+        for (int64_t l = 0; l < lanes; ++l) {
+          const int64_t c = (j0 + l) * 4 + k;
+          o[k * lanes + l] += static_cast<float>(((high[c / 8] >> (c % 8)) & 1) << 2);
+        }
+    }
+  }
+}
+
+// The codes of a slot's w tokens (token-major, d * bits / 8 bytes each) by expand_lanes: out [w, d].
+inline void expand_tokens(const uint8_t* bytes, int64_t w, int64_t d, int64_t bits, float* out) {
+  const int64_t stride = d * bits / 8;
+  switch (bits) {
+    case 2:
+      for (int64_t t = 0; t < w; ++t) expand_lanes<2>(bytes + t * stride, d, out + t * d);
+      break;
+    case 3:
+      for (int64_t t = 0; t < w; ++t) expand_lanes<3>(bytes + t * stride, d, out + t * d);
+      break;
+    default:
+      for (int64_t t = 0; t < w; ++t) expand_lanes<4>(bytes + t * stride, d, out + t * d);
+  }
+}
+
+// The channel of each element of expand_lanes' output: order[e] for e < d.
+inline void token_order(int64_t d, int64_t bits, int64_t* order) {
+  const int64_t plane = bits == 3 ? 2 : bits;
+  const int64_t per = 8 / plane, nbytes = d * plane / 8;
+  for (int64_t j0 = 0; j0 < nbytes; j0 += 8) {
+    const int64_t lanes = std::min<int64_t>(8, nbytes - j0);
+    for (int64_t k = 0; k < per; ++k)
+      for (int64_t l = 0; l < lanes; ++l) order[j0 * per + k * lanes + l] = (j0 + l) * per + k;
+  }
 }
 
 // RoPE tables of the offsets 0..W-1, transposed to [H, W]: the angles as the jnp reference forms them
@@ -182,8 +272,6 @@ inline void slot_tables(float pos, const float* inv_freq, int64_t H, int64_t W, 
     }
 }
 
-typedef float V8 __attribute__((vector_size(32)));  // eight floats (GCC/Clang vector extension)
-
 // Sum of x[0..n): pairwise for a power-of-two n (vectorizes), else in order. Clobbers x.
 inline float sum_inplace(float* x, int64_t n) {
   if (n & (n - 1)) {
@@ -194,6 +282,37 @@ inline float sum_inplace(float* x, int64_t n) {
   for (int64_t half = n / 2; half >= 1; half /= 2)
     for (int64_t i = 0; i < half; ++i) x[i] += x[i + half];
   return x[0];
+}
+
+// a . b over n channels, n a multiple of 8: eight channels per vector in four independent chains, then the
+// lanes pairwise.
+inline float dot_product(const float* a, const float* b, int64_t n) {
+  V8 acc[4] = {};
+  int64_t d = 0;
+  for (; d + 32 <= n; d += 32)
+    for (int j = 0; j < 4; ++j) {
+      V8 x, y;
+      std::memcpy(&x, a + d + 8 * j, sizeof(V8));
+      std::memcpy(&y, b + d + 8 * j, sizeof(V8));
+      acc[j] += x * y;
+    }
+  for (; d < n; d += 8) {
+    V8 x, y;
+    std::memcpy(&x, a + d, sizeof(V8));
+    std::memcpy(&y, b + d, sizeof(V8));
+    acc[0] += x * y;
+  }
+  const V8 s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+// n float16 values to floats (exact), eight at a time where the CPU converts halves (F16C).
+inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = half_to_float(h[i]);
 }
 
 template <int kW, int kD>
@@ -306,14 +425,17 @@ void values_pass(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int6
   const int64_t vbits = sh.vbits ? sh.vbits : sh.bits;
   const int64_t vtoken = D * vbits / 8;  // bytes of one token's value codes
   const uint8_t* valid = in.valid + b * NL;
-  alignas(64) float vbuf[kMaxWindow * kMaxDim];  // [W, D] value codes of one slot
+  alignas(64) float vbuf[kMaxWindow * kMaxDim];  // [W, D] value codes of one slot, channels in lane order
   alignas(64) float wts[kMaxGroup * kMaxWindow];
   alignas(64) float vscale[kMaxWindow], vzero[kMaxWindow];
+  alignas(64) float acc[kMaxGroup * kMaxDim];  // [G, D] the head's output, channels in lane order
+  int64_t order[kMaxDim];
+  token_order(D, vbits, order);
   for (int64_t h = 0; h < HKV; ++h) {
     const int64_t bh = b * HKV + h;
     float* m = m_part + h * G;
     float* l = l_part + h * G;
-    float* out = out_part + h * G * D;
+    float* out = acc;
     const float* sc = scores + h * G * span * W;  // [G, span, W]
     alignas(64) float lsum[kMaxGroup * kMaxWindow];  // per-lane sums of p and of p * zero, reduced at the end
     alignas(64) float zsum[kMaxGroup * kMaxWindow];
@@ -328,10 +450,8 @@ void values_pass(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int6
         continue;
       }
       const int64_t slot = bh * NL + n;
-      for (int64_t t = 0; t < W; ++t) {
-        vscale[t] = half_to_float(in.vs[slot * W + t]);
-        vzero[t] = half_to_float(in.vz[slot * W + t]);
-      }
+      halves_to_floats(in.vs + slot * W, W, vscale);
+      halves_to_floats(in.vz + slot * W, W, vzero);
       for (int64_t g = 0; g < G; ++g) {
         const float* x = sc + (g * span + (n - n0)) * W;
         float* ls = lsum + g * W;
@@ -345,26 +465,46 @@ void values_pass(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int6
         }
         mass[g * NL] = sum_inplace(tmp, W);
       }
-      for (int64_t t = 0; t < W; ++t) expand_token(in.vc + (slot * W + t) * vtoken, D, vbits, vbuf + t * D);
+      expand_tokens(in.vc + slot * W * vtoken, W, D, vbits, vbuf);
       for (int64_t g = 0; g < G; ++g) {
         float* o = out + g * D;
-        for (int64_t t = 0; t < W; ++t) {
-          const float wt = wts[g * W + t];
-          const float* v = vbuf + t * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += wt * v[d];
+        if constexpr (kD > 0 && kD % 8 == 0) {
+          // the head's output row stays in registers over the window's tokens
+          V8 row[kD / 8];
+          std::memcpy(row, o, sizeof(row));
+          for (int64_t t = 0; t < W; ++t) {
+            const float wt = wts[g * W + t];
+            for (int64_t c = 0; c < kD / 8; ++c) {
+              V8 v;
+              std::memcpy(&v, vbuf + t * D + 8 * c, sizeof(V8));
+              row[c] += wt * v;
+            }
+          }
+          std::memcpy(o, row, sizeof(row));
+        } else {
+          for (int64_t t = 0; t < W; ++t) {
+            const float wt = wts[g * W + t];
+            const float* v = vbuf + t * D;
+            for (int64_t d = 0; d < D; ++d) o[d] += wt * v[d];
+          }
         }
       }
     }
+    float* head_out = out_part + h * G * D;
     for (int64_t g = 0; g < G; ++g) {
       l[g] = sum_inplace(lsum + g * W, W);
       const float z = sum_inplace(zsum + g * W, W);
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] += z;
+      for (int64_t e = 0; e < D; ++e) head_out[g * D + order[e]] = out[g * D + e] + z;
     }
   }
 }
 
 // attend_range for the RotatedTokens format: slots [n0, n1) of row b; q (already rotated by the caller)
-// against keys with one grid per token, no RoPE.
+// against keys with one grid per token, no RoPE. The dot products run over the channels in vectors (keys
+// are stored token-major), with the grid folded in afterwards; the centered format's offset
+// q . RoPE_t(mean) is taken in closed form per rotation pair i (channels i and i + D/2):
+//   q1 (m1 c - m2 s) + q2 (m2 c + m1 s) = c (q1 m1 + q2 m2) + s (q2 m1 - q1 m2),
+// so each slot needs its RoPE table once, shared by every head, and never a RoPE'd mean.
 template <int kW, int kD>
 void attend_range_rotated(const Shapes& sh, const Inputs& in, int64_t b, int64_t n0, int64_t n1,
                           float* out_part, float* m_part, float* l_part, float* slot_mass, float* scores) {
@@ -376,20 +516,25 @@ void attend_range_rotated(const Shapes& sh, const Inputs& in, int64_t b, int64_t
   const int64_t H = D / 2;
   const bool centered = in.km != nullptr;
   alignas(64) float kbuf[kMaxWindow * kMaxDim];  // [W, D] key codes of one slot and head
-  alignas(64) float kscale[kMaxWindow], kzero[kMaxWindow];
-  // centered format: RoPE tables of the slot [H, W], the window's key mean RoPE'd at its tokens [D, W], and
-  // the logit offsets q . RoPE_t(mean) [W]
+  alignas(64) float kscale[kMaxWindow], kzero[kMaxWindow], dots[kMaxWindow];
+  // centered format: RoPE tables of the slot [H, W], the window's pre-RoPE key mean [D], the pair sums of
+  // the closed form [H] and the logit offsets [W]
   alignas(64) float cos_oT[kMaxDim / 2 * kMaxWindow], sin_oT[kMaxDim / 2 * kMaxWindow];
   alignas(64) float cosr[kMaxDim / 2 * kMaxWindow], sinr[kMaxDim / 2 * kMaxWindow];
-  alignas(64) float mrot[kMaxDim * kMaxWindow];
+  alignas(64) float mean[kMaxDim], pc[kMaxDim / 2], ps[kMaxDim / 2];
   alignas(64) float offset[kMaxWindow] = {};
-  std::vector<float> qs(HKV * G * D), qsum(HKV * G, 0.0f);  // scaled queries [Hkv, G, D] and their sums
-  std::vector<float> qps(centered ? HKV * G * D : 0);    // scaled un-rotated queries
-  for (int64_t x = 0; x < HKV * G * D; ++x) {
-    qs[x] = in.q[b * HKV * G * D + x] * scale;
-    qsum[x / D] += qs[x];
-    if (centered) qps[x] = in.qp[b * HKV * G * D + x] * scale;
-  }
+  // scaled queries [Hkv, G, D] with their channels in the keys' lane order (expand_lanes), and their sums
+  std::vector<float> qs(HKV * G * D), qsum(HKV * G, 0.0f);
+  std::vector<float> qps(centered ? HKV * G * D : 0);  // scaled un-rotated queries, channels in order
+  int64_t order[kMaxDim];
+  token_order(D, sh.bits, order);
+  for (int64_t hg = 0; hg < HKV * G; ++hg)
+    for (int64_t e = 0; e < D; ++e) {
+      const int64_t x = hg * D + e;
+      qs[x] = in.q[b * HKV * G * D + hg * D + order[e]] * scale;
+      qsum[hg] += in.q[b * HKV * G * D + x] * scale;
+      if (centered) qps[x] = in.qp[b * HKV * G * D + x] * scale;
+    }
   if (centered) offset_tables(in.inv_freq, H, W, cos_oT, sin_oT);
   const uint8_t* valid = in.valid + b * NL;
   const int64_t span = n1 - n0;
@@ -400,35 +545,45 @@ void attend_range_rotated(const Shapes& sh, const Inputs& in, int64_t b, int64_t
       slot_tables(static_cast<float>(in.start[b * NL + n]), in.inv_freq, H, W, cos_oT, sin_oT, cosr, sinr);
     for (int64_t h = 0; h < HKV; ++h) {
       const int64_t slot = (b * HKV + h) * NL + n;
-      for (int64_t t = 0; t < W; ++t) {
-        expand_token(in.kc + (slot * W + t) * ktoken, D, sh.bits, kbuf + t * D);
-        kscale[t] = half_to_float(in.ks[slot * W + t]);
-        kzero[t] = half_to_float(in.kz[slot * W + t]);
-      }
-      if (centered)
-        for (int64_t i = 0; i < H; ++i) {
-          const float m1 = half_to_float(in.km[slot * D + i]), m2 = half_to_float(in.km[slot * D + i + H]);
-          for (int64_t t = 0; t < W; ++t) {
-            mrot[i * W + t] = m1 * cosr[i * W + t] - m2 * sinr[i * W + t];
-            mrot[(i + H) * W + t] = m2 * cosr[i * W + t] + m1 * sinr[i * W + t];
-          }
-        }
+      expand_tokens(in.kc + slot * W * ktoken, W, D, sh.bits, kbuf);
+      halves_to_floats(in.ks + slot * W, W, kscale);
+      halves_to_floats(in.kz + slot * W, W, kzero);
+      if (centered) halves_to_floats(in.km + slot * D, D, mean);
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qs.data() + (h * G + g) * D;
         const float qz = qsum[h * G + g];
         float* sc = scores + ((h * G + g) * span + (n - n0)) * W;  // [Hkv, G, span, W]
         float* ml = mlane.data() + (h * G + g) * W;
+        for (int64_t t = 0; t < W; ++t) dots[t] = dot_product(qg, kbuf + t * D, D);
         if (centered) {
           const float* qp = qps.data() + (h * G + g) * D;
-          for (int64_t t = 0; t < W; ++t) offset[t] = 0.0f;
-          for (int64_t d = 0; d < D; ++d)
-            for (int64_t t = 0; t < W; ++t) offset[t] += qp[d] * mrot[d * W + t];
+          for (int64_t i = 0; i < H; ++i) {
+            pc[i] = qp[i] * mean[i] + qp[i + H] * mean[i + H];
+            ps[i] = qp[i + H] * mean[i] - qp[i] * mean[i + H];
+          }
+          if (W % 8 == 0) {
+            // eight tokens per vector, four chains over the pairs (one would wait on every multiply-add);
+            // H is a multiple of 4
+            for (int64_t c = 0; c < W; c += 8) {
+              V8 part[4] = {};
+              for (int64_t i = 0; i < H; i += 4)
+                for (int64_t j = 0; j < 4; ++j) {
+                  V8 cv, sv;
+                  std::memcpy(&cv, cosr + (i + j) * W + c, sizeof(V8));
+                  std::memcpy(&sv, sinr + (i + j) * W + c, sizeof(V8));
+                  part[j] += pc[i + j] * cv + ps[i + j] * sv;
+                }
+              const V8 sum = (part[0] + part[1]) + (part[2] + part[3]);
+              std::memcpy(offset + c, &sum, sizeof(V8));
+            }
+          } else {
+            for (int64_t t = 0; t < W; ++t) offset[t] = 0.0f;
+            for (int64_t i = 0; i < H; ++i)
+              for (int64_t t = 0; t < W; ++t) offset[t] += pc[i] * cosr[i * W + t] + ps[i] * sinr[i * W + t];
+          }
         }
         for (int64_t t = 0; t < W; ++t) {
-          const float* kt = kbuf + t * D;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
-          const float x = kscale[t] * dot + kzero[t] * qz + offset[t];
+          const float x = kscale[t] * dots[t] + kzero[t] * qz + offset[t];
           sc[t] = x;
           ml[t] = x > ml[t] ? x : ml[t];
         }
