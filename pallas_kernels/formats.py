@@ -194,7 +194,7 @@ class RotatedTokens:
 
 QuantFormat = ChannelKeys | RotatedTokens
 QUANT_NAMES = (
-    "channel", "crot-k4v3", "crot-k4v4", "crot-k3v3", "kch2-rotv3", "kch2-rotv4", "kch2-rotv2",
+    "channel", "crot-k4v3", "crot-k4v4", "crot-k3v4", "crot-k3v3", "kch2-rotv3", "kch2-rotv4", "kch2-rotv2",
     "rot-k4v4", "rot-k4v3", "rot-k4v2", "rot-k3v3", "rot-k2v2",
 )  # fmt: skip
 

@@ -40,7 +40,11 @@ from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.sampling import SamplerConfig
 
 FORMATS = [RotatedTokens(4, 3), RotatedTokens(4, 4), RotatedTokens(4, 2), RotatedTokens(2, 2)]
-CENTERED = [RotatedTokens(4, 3, center_keys=True), RotatedTokens(3, 3, center_keys=True)]
+CENTERED = [
+    RotatedTokens(4, 3, center_keys=True),
+    RotatedTokens(3, 3, center_keys=True),
+    RotatedTokens(3, 4, center_keys=True),  # the same bytes as crot-k4v3, the bits moved to the values
+]
 # per-channel keys with rotated per-token values, and today's format as the control
 CHANNEL_FORMATS = [ChannelKeys(2, 3, rotate_values=True), ChannelKeys(2, 4, rotate_values=True), ChannelKeys(2)]
 

@@ -228,6 +228,19 @@ class PolicyTrace:
     ranking: str
 
 
+def require_traceable(method: KVMethod) -> None:
+    """Raise ValueError unless ``policy_trace`` can trace ``method``: a window-tier method (QEvict, R1-R4)
+    whose ranking accumulates attention mass (what the diagnosis reads the mass credited to Q windows from)."""
+    if not (isinstance(method, WindowMethod) and isinstance(method.allocation, BudgetedTiers)):
+        raise ValueError(f"method {method.name!r} has no window tiers to diagnose (QEvict and R1-R4 do)")
+    ranking = method.ranking
+    if type(ranking).update is not Ranking.update:
+        raise ValueError(
+            f"the diagnosis reads the mass credited to Q windows from cumulative scores; method {method.name!r} "
+            f"ranks by {ranking.name!r}"
+        )
+
+
 def policy_trace(
     model: Transformer,
     sequences: np.ndarray,
@@ -239,15 +252,9 @@ def policy_trace(
     """Teacher-force sequences [B, P + G] through ``method`` (a window-tier method: QEvict or R1-R4) and
     record its tiers at every routing event. The cache is sized for exactly P + G tokens. ``on_event`` is
     called after each routing event (a progress bar)."""
-    if not (isinstance(method, WindowMethod) and isinstance(method.allocation, BudgetedTiers)):
-        raise ValueError(f"method {method.name!r} has no window tiers to diagnose (QEvict and R1-R4 do)")
+    require_traceable(method)
     caps_cfg = method.cache
     ranking = method.ranking
-    if type(ranking).update is not Ranking.update:
-        raise ValueError(
-            f"the diagnosis reads the mass credited to Q windows from cumulative scores; method {method.name!r} "
-            f"ranks by {ranking.name!r}"
-        )
     sequences = np.asarray(sequences, np.int32)
     b, t = sequences.shape
     g = t - prompt_len
