@@ -7,9 +7,13 @@ D="qevict eval ruler --tasks $T --samples 10 --max-new-tokens 48 --batch 10 --se
 $D --methods r3 --set r3.quant=crot-k4v3 --set r3.q_rank=score --set r3.q_frac=0.85 --out runs/dev26/aware4k-b01-score85
 $D --methods r3 --set r3.quant=crot-k3v4 --set r3.q_rank=blend --set r3.q_frac=0.85 --out runs/dev26/aware4k-b01-k3v4
 $D --methods r3 --set r3.quant=crot-k4v4 --set r3.q_rank=blend --set r3.q_frac=0.85 --out runs/dev26/aware4k-b01-k4v4
-# where the answers sit after the prefill, default against R2 (stopped after niah_single_2 and three samples of
-# niah_multikey_2, for time)
+# where the answers sit after the prefill, default against R2 (the development samples of the cells above)
 python bench/answer_tiers.py --tasks niah_single_2,niah_multikey_2,niah_multivalue --length 4096 --budget 0.1 \
   --methods "qevict;r2" --samples 10 --seed 1000 > docs/results/dev26/answer-tiers-4k-b01.md
-# the default with the p-norm ranking (sum over the observation queries of each window's mass cubed)
+# the default with the p-norm ranking (sum over the observation queries of each window's mass cubed) at 4K,
+# then at 2K in both modes
 $D --methods r3 --set r3.quant=crot-k4v3 --set r3.q_rank=blend --set r3.q_frac=0.85 --set r3.ranking=pnorm --out runs/dev26/aware4k-b01-pnorm
+D2="qevict eval ruler --tasks $T --samples 10 --max-new-tokens 48 --batch 10 --seed 1000 --lengths 2048 --no-progress"
+P="--methods r3 --set r3.quant=crot-k4v3 --set r3.q_rank=blend --set r3.q_frac=0.85 --set r3.ranking=pnorm"
+$D2 --budgets 0.2 --question-agnostic $P --out runs/dev26/qa2k-pnorm
+$D2 --budgets 0.2,0.1 $P --out runs/dev26/aware2k-pnorm
