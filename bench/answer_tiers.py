@@ -3,9 +3,10 @@
 For each RULER sample the prompt is prefilled through each window-tier method (QEvict, R1-R4: the placement
 of ``diagnostics.trace.policy_trace``'s event 0), and for each reference answer (a needle's value) the windows
 holding its tokens in the prompt are looked up in every layer: held in F (exact), in the Q tier (read back
-through its low-bit codes), or evicted. One row per (sample, answer, method) gives the layers in each tier for
-the answer's window with the fewest F layers (the one a copy of the answer is most likely to garble), and the
-last rows the mean over answers per method. ``--question-agnostic`` prefills the context alone, before its
+through its low-bit codes), evicted, or still in the recent region (exact, not routed yet). One row per
+(sample, answer, method) gives the layers in each tier for the answer's window with the fewest exact layers
+(the one a copy of the answer is most likely to garble), and the last rows the mean per method over the
+answers that left the recent region. ``--question-agnostic`` prefills the context alone, before its
 question, which is what that mode compresses.
 
 Usage: python bench/answer_tiers.py [--model NAME] --tasks niah_single_2,niah_multikey_2 --length 4096
@@ -23,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE
-from qevict_jax.diagnostics.metrics import E, F, Q
+from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.diagnostics.trace import policy_trace, require_traceable
 from qevict_jax.eval.tasks import generation_setup
 from qevict_jax.model_args import add_model_arg, load
@@ -53,15 +54,18 @@ def answer_positions(tokenizer, ids: Sequence[int], answer: str) -> range | None
     return None
 
 
-def layer_counts(tiers: np.ndarray, windows: Sequence[int]) -> tuple[int, int, int]:
-    """(F, Q, evicted) layer counts of the window among ``windows`` with the fewest F layers; tiers [L, NW]."""
-    counts = [tuple(int(np.sum(tiers[:, w] == t)) for t in (F, Q, E)) for w in windows]
-    return min(counts, key=lambda c: c[0])
+def layer_counts(tiers: np.ndarray, windows: Sequence[int]) -> tuple[int, int, int, int]:
+    """(F, Q, evicted, recent) layer counts of the window among ``windows`` with the fewest exact layers (F or
+    recent: not routed yet, in the recent region), the first of those tied; tiers [L, NW]."""
+    counts = [tuple(int(np.sum(tiers[:, w] == t)) for t in (F, Q, E, LOCAL)) for w in windows]
+    return min(counts, key=lambda c: c[0] + c[3])
 
 
-def answer_tiers(model, ids: Sequence[int], spans: Sequence[range], method) -> list[tuple[int, int, int]]:
+def answer_tiers(
+    model, ids: Sequence[int], spans: Sequence[range], method
+) -> list[tuple[int, int, int, int]]:
     """Prefill ``ids`` through ``method`` (a window-tier method) and return, per span of prompt positions, the
-    (F, Q, evicted) layer counts of its bottleneck window (``layer_counts``); positions among the sinks are
+    (F, Q, evicted, recent) layer counts of its bottleneck window (``layer_counts``); positions among the sinks are
     always in F and do not count."""
     omega = method.cache.omega
     # one routing interval after the prefill (the trace needs one); the tiers read are the prefill's
@@ -71,7 +75,7 @@ def answer_tiers(model, ids: Sequence[int], spans: Sequence[range], method) -> l
     out = []
     for span in spans:
         wins = sorted({(t - trace.sink) // trace.window for t in span if t >= trace.sink})
-        out.append(layer_counts(tiers, wins) if wins else (tiers.shape[0], 0, 0))
+        out.append(layer_counts(tiers, wins) if wins else (tiers.shape[0], 0, 0, 0))
     return out
 
 
@@ -107,9 +111,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     tasks, prepare, _ = generation_setup(setup, tok)
     print(f"# {args.model}, {args.length} tokens, β = {args.budget}, seed {args.seed}, "
           f"{'question-agnostic' if args.question_agnostic else 'question-aware'}")  # fmt: skip
-    print("| task | sample | answer | method | F layers | Q layers | evicted layers |")
-    print("|---|---|---|---|---|---|---|")
-    totals: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
+    print("| task | sample | answer | method | F layers | Q layers | evicted layers | recent layers |")
+    print("|---|---|---|---|---|---|---|---|")
+    totals: dict[str, list[tuple[int, int, int, int]]] = collections.defaultdict(list)
     missing = 0
     for task, sample in tqdm([(t, i) for t in tasks for i in range(args.samples)], desc="answer tiers"):
         prep = prepare(task, args.length, sample)
@@ -121,15 +125,23 @@ def main(argv: Sequence[str] | None = None) -> None:
             counts = answer_tiers(model, ids, [span for _, span in found], m)
             for (answer, _), c in zip(found, counts, strict=True):
                 totals[m.name].append(c)
-                print(f"| {task} | {sample} | {answer} | {m.name} | {c[0]} | {c[1]} | {c[2]} |", flush=True)
+                print(
+                    f"| {task} | {sample} | {answer} | {m.name} | {c[0]} | {c[1]} | {c[2]} | {c[3]} |",
+                    flush=True,
+                )
     if missing:
         print(
             f"{missing} answers were not found as a token run of their prompt and are left out",
             file=sys.stderr,
         )
     for name, rows in totals.items():
-        mean = np.mean(np.asarray(rows, float), axis=0)
-        print(f"| mean of {len(rows)} answers | | | {name} | {mean[0]:.1f} | {mean[1]:.1f} | {mean[2]:.1f} |")
+        routed = np.asarray([c for c in rows if c[3] < sum(c)], float)  # not wholly in the recent region
+        mean = np.mean(routed, axis=0) if len(routed) else np.full(4, np.nan)
+        print(
+            f"| mean of {len(routed)} routed answers | | | {name} | "
+            + " | ".join(f"{x:.1f}" for x in mean)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

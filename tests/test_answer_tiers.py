@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tiny import decisive_model, load_bench, roomy_method, tiny_llama
 
-from qevict_jax.diagnostics.metrics import E, F, Q
+from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.methods.registry import make_method
 
 answer_tiers = load_bench("answer_tiers")
@@ -43,11 +43,14 @@ def test_answer_positions_finds_the_answer_as_the_prompt_tokenizes_it():
 
 
 def test_layer_counts_take_the_window_with_fewest_f_layers():
-    # 4 layers x 3 windows; window 0: F F Q E, window 2: F Q Q E (the bottleneck of {0, 2})
-    tiers = np.array([[F, E, F], [F, E, Q], [Q, E, Q], [E, E, E]], np.int8)
-    assert answer_tiers.layer_counts(tiers, [0, 2]) == (1, 2, 1)
-    assert answer_tiers.layer_counts(tiers, [0]) == (2, 1, 1)
-    assert answer_tiers.layer_counts(tiers, [1]) == (0, 0, 4)
+    # 4 layers x 4 windows; window 0: F F Q E, window 2: F Q Q E (the bottleneck of {0, 2}), window 3 recent
+    tiers = np.array([[F, E, F, LOCAL], [F, E, Q, LOCAL], [Q, E, Q, LOCAL], [E, E, E, LOCAL]], np.int8)
+    assert answer_tiers.layer_counts(tiers, [0, 2]) == (1, 2, 1, 0)
+    assert answer_tiers.layer_counts(tiers, [0]) == (2, 1, 1, 0)
+    assert answer_tiers.layer_counts(tiers, [1]) == (0, 0, 4, 0)
+    # a window still in the recent region is exact: the routed window is the bottleneck
+    assert answer_tiers.layer_counts(tiers, [3, 2]) == (1, 2, 1, 0)
+    assert answer_tiers.layer_counts(tiers, [3]) == (0, 0, 0, 4)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,7 @@ def test_answer_tiers_obey_each_methods_tiers(model):
     # room for every token: nothing is evicted
     kept = answer_tiers.answer_tiers(model, ids, spans, roomy_method("qevict", TINY, 308))
     assert all(c[2] == 0 and sum(c) == layers for c in kept)
-    assert kept[2] == (layers, 0, 0)
+    assert kept[2] == (layers, 0, 0, 0)
     # R2 has no Q tier; at a small budget each span's window is in F or evicted
     r2 = answer_tiers.answer_tiers(model, ids, spans, make_method("r2", 0.2, recent=16))
     assert all(c[1] == 0 and sum(c) == layers for c in r2)
