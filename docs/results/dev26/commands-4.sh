@@ -17,3 +17,6 @@ D2="qevict eval ruler --tasks $T --samples 10 --max-new-tokens 48 --batch 10 --s
 P="--methods r3 --set r3.quant=crot-k4v3 --set r3.q_rank=blend --set r3.q_frac=0.85 --set r3.ranking=pnorm"
 $D2 --budgets 0.2 --question-agnostic $P --out runs/dev26/qa2k-pnorm
 $D2 --budgets 0.2,0.1 $P --out runs/dev26/aware2k-pnorm
+# where the answers sit question-agnostic (the context prefilled before its question), 2K, β = 0.2
+python bench/answer_tiers.py --tasks niah_single_2,niah_multikey_2,niah_multivalue --length 2048 --budget 0.2 \
+  --methods "qevict;r2" --samples 10 --seed 1000 --question-agnostic > docs/results/dev26/answer-tiers-qa2k-b02.md
