@@ -147,6 +147,12 @@ def test_every_option_reaches_the_method_by_both_paths(name):
 def test_n_obs_reaches_the_ranking_and_the_policy():
     assert make_method("qevict", 0.2, n_obs=64).ranking.n_obs == 64
     assert make_method("qevict", 0.2, max_pool_width=5).ranking.max_pool_width == 5
+    # spills are tokens in the configuration and windows (W = 8, rounded up) in the ranking
+    spilled = make_method("qevict", 0.2, spill=16, q_spill=9).ranking
+    assert (spilled.spill, spilled.q_spill) == (2, 2)
+    assert make_method("qevict", 0.2, spill=16).ranking.q_spill is None
+    with pytest.raises(ValueError, match="q_spill must be >= 0"):
+        make_method("qevict", 0.2, q_spill=-1)
     assert make_method("snapkv", 0.2, n_obs=64).n_obs == 64
     assert make_method("snapkv", 0.2, n_obs=64).cache == make_method("snapkv", 0.2).cache
     with pytest.raises(ValueError, match="has no option 'n_obs'"):

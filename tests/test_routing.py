@@ -36,11 +36,12 @@ def plan_of(*metadata, norms=None, **options):
 
 
 @functools.cache
-def jitted_plan(nq: int, promotion: bool, spill: int = 0, q_rank: str = "score"):
+def jitted_plan(nq: int, promotion: bool, spill: int = 0, q_rank: str = "score", q_spill: int | None = None):
     return jax.jit(
         functools.partial(
-            plan_of, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS, q_rank=q_rank
-        )
+            plan_of, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS, q_rank=q_rank,
+            q_spill=q_spill,
+        )  # fmt: skip
     )
 
 
@@ -49,7 +50,9 @@ def stable_order(keys):
     return sorted(range(len(keys)), key=lambda i: -keys[i])
 
 
-def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(), spill=0, q_rank="score", norm=None):
+def reference_assignment(
+    entries, nf, nq, nl, promotion, with_dormant=frozenset(), spill=0, q_rank="score", norm=None, q_spill=None
+):
     """Tiers after one event by stable ranking: (set in F, set in Q).
 
     entries: list of (window, score, was_q) in plan order; with_dormant: F windows holding a dormant entry.
@@ -57,9 +60,14 @@ def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(
     plus the Q windows promoted to F. spill: a window is ranked by the highest score among itself and the
     entries of the ``spill`` window ids before it. q_rank: the Q tier's key among the windows not in F:
     the same key ("score"), ``norm`` [window -> key-norm score] spilled the same way ("keynorm"), or the
-    better of the two rank shares among those windows ("blend").
+    better of the two rank shares among those windows ("blend"); q_spill: the spill of the Q tier's keys
+    (None: ``spill``).
     """
-    key = [max(s for v, s, _ in entries if w - spill <= v <= w) for w, _, _ in entries]
+    spilled = lambda value, n: [max(value[v] for v, _, _ in entries if w - n <= v <= w) for w, _, _ in entries]
+    own = {v: s for v, s, _ in entries}
+    key = spilled(own, spill)
+    q_spill = spill if q_spill is None else q_spill
+    q_key = spilled(own, q_spill)
     f_set, q_set = set(), set()
     for i in stable_order(key):
         win, _, was_q = entries[i]
@@ -69,16 +77,16 @@ def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(
     q_cap = min(nq, nl - kept_dormant)
     rest = [i for i, (win, _, _) in enumerate(entries) if win not in f_set]
     if q_rank == "score":
-        order = [rest[j] for j in stable_order([key[i] for i in rest])]
+        order = [rest[j] for j in stable_order([q_key[i] for i in rest])]
     else:
-        # the key norm spills as the score does
-        norm_key = [max(norm[v] for v, _, _ in entries if w - spill <= v <= w) for w, _, _ in entries]
+        # the key norm spills as the Q tier's score does
+        norm_key = spilled(norm, q_spill)
         by_norm = stable_order([norm_key[i] for i in rest])
         if q_rank == "keynorm":
             order = [rest[j] for j in by_norm]
         else:
             share = lambda ranked: {rest[j]: r / len(rest) for r, j in enumerate(ranked)}
-            s_share, n_share = share(stable_order([key[i] for i in rest])), share(by_norm)
+            s_share, n_share = share(stable_order([q_key[i] for i in rest])), share(by_norm)
             order = [rest[j] for j in stable_order([-min(s_share[i], n_share[i]) for i in rest])]
     for i in order:
         if len(q_set) < q_cap:
@@ -94,10 +102,11 @@ def reference_assignment(entries, nf, nq, nl, promotion, with_dormant=frozenset(
     events=st.integers(1, 25),
     spill=st.sampled_from([0, 1, 2]),
     q_rank=st.sampled_from(["score", "keynorm", "blend"]),
+    q_spill=st.sampled_from([None, 0, 2]),
 )
-def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, events, spill, q_rank):
+def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, events, spill, q_rank, q_spill):
     nf, nl, nq, k = shape
-    plan_fn = jitted_plan(nq, promotion, spill, q_rank)
+    plan_fn = jitted_plan(nq, promotion, spill, q_rank, q_spill)
     rng = np.random.default_rng(seed)
     # every window's key-norm score, fixed at its creation (coarse: ties are frequent)
     norm = {w: float(x) for w, x in enumerate(rng.integers(-4, 0, NUM_WINDOWS))}
@@ -131,7 +140,7 @@ def test_plan_invariants_over_random_score_sequences(shape, promotion, seed, eve
         old_led_win = ledger_win.copy()
         old_f = {int(w) for w in f_win if w >= 0}
         want_f, want_q = reference_assignment(
-            entries, nf, nq, nl, promotion, frozenset(old_dormant), spill, q_rank, norm
+            entries, nf, nq, nl, promotion, frozenset(old_dormant), spill, q_rank, norm, q_spill
         )
         own = {w: sc for w, sc, _ in entries}
 

@@ -97,6 +97,30 @@ def test_observation_window_scores_match_float64_reference(kind, n_obs, pool, ke
         np.testing.assert_allclose(got[b], want, rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("key_block", [16, 512])
+def test_headmax_scores_a_window_by_its_most_attentive_head(key_block, monkeypatch):
+    """The head-max score is, per window, the largest over query heads of that head's observation mass (float64
+    reference), and never below the head mean."""
+    monkeypatch.setattr(attention_scores, "OBS_KEY_BLOCK", key_block)
+    q, k = _inputs(3)
+    n_obs, g = 12, H // HKV
+    prompt = PromptPass(
+        jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), None, jnp.asarray(LENGTHS, jnp.int32)
+    )
+    got = np.asarray(make_ranking("headmax", n_obs=n_obs).prefill_window_scores(prompt, sink=S, window=W, num_windows=NW))
+    mean = np.asarray(make_ranking("cumulative", n_obs=n_obs).prefill_window_scores(prompt, sink=S, window=W, num_windows=NW))
+    for b in range(B):
+        end = int(LENGTHS[b])
+        heads = np.zeros((H, T))
+        for h in range(H):
+            for pos in range(end - n_obs, end):
+                logits = k[b, : pos + 1, h // g] @ q[b, pos, h] / np.sqrt(D)
+                p = np.exp(logits - logits.max())
+                heads[h, : pos + 1] += p / p.sum()
+        np.testing.assert_allclose(got[b], np_windows(heads).max(0), rtol=2e-5, atol=1e-7)
+    assert np.all(got >= mean - 1e-6)
+
+
 def test_observation_rows_sum_to_one_row_per_query():
     """Units: every observation query distributes exactly one unit of mass (one decode step's worth)."""
     q, k = _inputs(2)

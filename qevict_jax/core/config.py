@@ -10,10 +10,10 @@ import dataclasses
 from pallas_kernels.formats import ChannelKeys, QuantFormat, quant_format
 from qevict_jax.core.bounds import Bound, check_bounds
 
-RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "keynorm", "restkv", "gates")
+RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "headmax", "keynorm", "restkv", "gates")
 """The names ``CacheConfig.ranking`` accepts: those of ``scoring.RANKINGS`` (a test holds them equal). The
 configuration names a ranking and does not import the rankings: it sits below them (docs/design.md §2)."""
-LINEAR_RANKINGS = ("cumulative", "cumulative-all", "decayed", "keynorm", "restkv", "gates")
+LINEAR_RANKINGS = ("cumulative", "cumulative-all", "decayed", "headmax", "keynorm", "restkv", "gates")
 """The rankings whose ``update`` is linear in the mass (``ScoreDynamics.linear_in_mass``; a test holds them
 equal): those ``deferred_head_mean`` accepts."""
 
@@ -30,6 +30,7 @@ CACHE_BOUNDS = (
     Bound("n_obs", lambda v: v >= 1, ">= 1"),
     Bound("max_pool_width", lambda v: v >= 0, ">= 0 (0 = no pooling)"),
     Bound("spill", lambda v: v >= 0, ">= 0 (0 = none)"),
+    Bound("q_spill", lambda v: v is None or v >= 0, ">= 0 (0 = none) or None (= spill)"),
     Bound("decay", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     Bound("prefill_chunk", lambda v: v >= 1, ">= 1"),
 )
@@ -59,6 +60,7 @@ class CacheConfig:
     ranking: "cumulative" (attention mass summed per window, initialized from the observation window: the
         default), "cumulative-all" (initialized from every prompt query, H2O-style: ablation), "decayed"
         (exponentially decayed attention), "pnorm" (sum over queries of window mass to the power ``p``),
+        "headmax" (the observation mass of the window's most attentive query head),
         "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill).
     q_rank: how the windows that do not make F compete for the Q tier (F is always the top NF by the
         ranking): "score" (by the ranking's key, as F), "keynorm" (by minus the window's mean key norm,
@@ -72,6 +74,9 @@ class CacheConfig:
         ``ceil(spill / W)`` windows covering them; 0 = none), at prefill placement and at every routing
         event (``windows.spilled_key``): attention points at where an answer starts, and the continuation
         read next stays in the same tier. The stored scores stay each window's own.
+    q_spill: the spill of the Q tier's key (``q_rank``) among the windows that miss F, in tokens; None: the
+        same as ``spill``. F can then keep a longer continuation of what attention points at without
+        spreading the Q tier's key-norm ranking over more windows.
     decay: per-query decay factor of the "decayed" ranking.
     p: exponent of the "pnorm" ranking.
     promotion: allow Q -> F promotions at routing.
@@ -102,6 +107,7 @@ class CacheConfig:
     n_obs: int = 32
     max_pool_width: int = 0
     spill: int = 8
+    q_spill: int | None = None
     decay: float = 0.98
     p: float = 3.0
     promotion: bool = True

@@ -143,6 +143,7 @@ def plan_routing(
     nq: int,
     promotion: bool,
     spill: int = 0,
+    q_spill: int | None = None,
     num_windows: int = 0,
     q_rank: str = "score",
     norms: NormScores | None = None,
@@ -153,7 +154,7 @@ def plan_routing(
     cand_win, cand_score: [K] (win -1 = no candidate). nq: the most active Q windows (<= NL); the Q tier
     holds at most ``min(nq, NL - dormant entries after the event)`` (see the module docstring).
     spill: windows are ranked by ``windows.spilled_key`` over the windows taking part (ids < num_windows);
-    the scores the plan stores are the windows' own.
+    the scores the plan stores are the windows' own. q_spill: the spill of the Q tier's key (None: ``spill``).
     q_rank: the key of the Q tier among the windows not in F (``CacheConfig.q_rank``): "score" (the ranking
     key, as F), "keynorm" (``norms``) or "blend" (``windows.blended_key`` of the two); ``norms``: the
     windows' key-norm scores (needed unless "score").
@@ -181,12 +182,13 @@ def plan_routing(
     q_cap = jnp.minimum(nq, nl - jnp.sum(keep_dormant | promoted, dtype=jnp.int32))
 
     q_eligible = valid & ~in_f
-    q_key = key
+    q_spill = spill if q_spill is None else q_spill
+    q_key = key if q_spill == spill else spilled_key(wins, score, valid, q_spill, num_windows)
     if q_rank != "score":
         # spilled as the score is: a needle's continuation keeps the tier its start earns by key norm
         norm = jnp.concatenate([norms.f, norms.ledger, norms.cand])
-        norm_key = spilled_key(wins, norm, valid, spill, num_windows)
-        q_key = norm_key if q_rank == "keynorm" else blended_key(key, norm_key, q_eligible)
+        norm_key = spilled_key(wins, norm, valid, q_spill, num_windows)
+        q_key = norm_key if q_rank == "keynorm" else blended_key(q_key, norm_key, q_eligible)
     in_q = top_members(q_key, q_eligible, nq, q_cap)
     gone = valid & ~in_f & ~in_q
     f_in_q, q_in_q, c_in_q = jnp.split(in_q, [nf, nf + nl])
@@ -268,7 +270,7 @@ def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
 
 def plan_for_row(
     row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion: bool, spill: int = 0, *,
-    cand_norm: jax.Array | None = None,
+    q_spill: int | None = None, cand_norm: jax.Array | None = None,
 ) -> RoutingPlan:  # fmt: skip
     """``plan_routing`` of one row of a ``TieredCache`` against candidates cand_win, cand_score [K];
     cand_norm [K]: their key-norm scores (``key_norm_score``), needed when ``caps.norm_scored``."""
@@ -287,6 +289,7 @@ def plan_for_row(
         nq=row.caps.nq,
         promotion=promotion,
         spill=spill,
+        q_spill=q_spill,
         num_windows=caps.nw_max,
         q_rank=caps.q_rank,
         norms=norms,
@@ -303,7 +306,9 @@ def plan_row(row: Any, ranking: Any, promotion: bool) -> tuple[RoutingPlan, Cand
     cand_v = row.ring_v.reshape(hkv, caps.ring_windows, caps.window, d)[:, ring_slot]
     cand_score = ranking.candidate_score(row.ring_score[ring_slot], cand_k.swapaxes(0, 1))
     cand_norm = key_norm_score(cand_k.swapaxes(0, 1)) if caps.norm_scored else None
-    plan = plan_for_row(row, cand_win, cand_score, promotion, ranking.spill, cand_norm=cand_norm)
+    plan = plan_for_row(
+        row, cand_win, cand_score, promotion, ranking.spill, q_spill=ranking.q_spill, cand_norm=cand_norm
+    )
     return plan, Candidates(cand_k, cand_v, cand_win)
 
 

@@ -61,7 +61,7 @@ def prefill_layer(
         norms = key_norm_score(prompt_windows(k, s, w, num_prompt_windows).swapaxes(2, 3))  # [B, NWP]
     plan = jax.vmap(
         lambda row, c_win, c_score, c_norm: plan_for_row(
-            row, c_win, c_score, config.promotion, ranking.spill, cand_norm=c_norm
+            row, c_win, c_score, config.promotion, ranking.spill, q_spill=ranking.q_spill, cand_norm=c_norm
         )
     )(cache, cand_win, scores, norms)
     plan, kept = kept_windows(plan, cand_win, k, v, sink=s, window=w, nf=caps.nf, nl=caps.nl)

@@ -39,6 +39,7 @@ QEVICT_OPTIONS = (
     "n_obs",
     "max_pool_width",
     "spill",
+    "q_spill",
     "decay",
     "p",
     "promotion",
@@ -86,6 +87,7 @@ class WindowMethod(SizedByCapacities, Compressing):
             n_obs=c.n_obs,
             max_pool_width=c.max_pool_width,
             spill=self.spill_windows,
+            q_spill=None if c.q_spill is None else -(-c.q_spill // c.window),
         )
 
     @property

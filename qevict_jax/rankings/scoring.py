@@ -18,7 +18,8 @@ and one or both of the prompt-time scores:
 Rankings: "cumulative" (sum of mass, initialized from the observation window: the last ``n_obs`` prompt
 queries, as SnapKV and the paper's prompt attention do; the default), "cumulative-all" (the same sum over
 *every* prompt query, H2O-style: an ablation; *token*: H2O), "decayed" (score <- decay * score + mass),
-"pnorm" (sum of mass^p; rank-equivalent to the p-norm of the window's mass over queries), "restkv" (ReST-KV
+"pnorm" (sum of mass^p; rank-equivalent to the p-norm of the window's mass over queries), "headmax" (the
+observation mass of a window's most attentive query head instead of the head mean), "restkv" (ReST-KV
 output-change score at prefill, then cumulative; *token*: ReST-KV), "keynorm" (minus the mean key norm: low
 key norm = important; independent of attention; *token*: key-norm), "gates" (learned retention gates,
 ``GateRanking``; independent of attention; *token*: TRIM-KV), "tova" (the current query's attention, every
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 
 from models.model import LayerContext
 from qevict_jax.rankings.attention_scores import (
+    observation_attention,
     observation_mass,
     restkv_scores,
 )
@@ -133,12 +135,14 @@ class Ranking(ScoreDynamics):
     n_obs: observation window (the last prompt queries) that initializes the attention-based scores;
     max_pool_width: max-pool width over neighbouring tokens of the observation rows (0 or 1 = none); spill: windows after a
     window that are ranked with its score when it is higher (``spilled_key``, at prefill placement and at
-    every routing event; the stored scores stay each window's own).
+    every routing event; the stored scores stay each window's own); q_spill: the spill of the Q tier's key
+    among the windows that miss F (None: ``spill``).
     """
 
     n_obs: int = 32
     max_pool_width: int = 0
     spill: int = 0
+    q_spill: int | None = None
     name: ClassVar[str] = "cumulative"
 
     def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
@@ -206,6 +210,25 @@ class PNormRanking(Ranking):
         rows = self.rows(prompt)
         per_row = jax.vmap(lambda x: window_sums(x, sink, window, num_windows), in_axes=1, out_axes=1)(rows)
         return jnp.sum(jnp.power(per_row, self.p), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadMaxRanking(Ranking):
+    """Cumulative attention whose prompt-time score is the largest over query heads rather than their mean:
+    each head sums its observation rows per window, and a window scores what its most attentive head gave it.
+    A head that retrieves (one sharp peak) is not averaged away by the heads that spread their mass; the
+    decode steps then add head-mean mass, as the cumulative ranking does."""
+
+    name: ClassVar[str] = "headmax"
+
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        b = prompt.q.shape[0]
+        per_head = observation_attention(  # [B, Hkv, G, T]: each head's observation rows summed
+            prompt.q, prompt.k, prompt.lengths, self.n_obs, prompt.sliding_window, lambda p: p.sum(axis=3)
+        )
+        heads = per_head.reshape(b, -1, per_head.shape[-1])  # [B, H, T]
+        sums = jax.vmap(lambda x: window_sums(x, sink, window, num_windows), in_axes=1, out_axes=1)(heads)
+        return sums.max(axis=1)  # [B, NW]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +348,7 @@ RANKINGS: dict[str, type[Ranking]] = {
         CumulativeAllRanking,
         DecayedRanking,
         PNormRanking,
+        HeadMaxRanking,
         KeyNormRanking,
         RestKVRanking,
         GateRanking,
@@ -334,7 +358,8 @@ RANKINGS: dict[str, type[Ranking]] = {
 
 
 def make_ranking(name: str, **params) -> Ranking:
-    """The ranking ``name`` with those of ``params`` (n_obs, max_pool_width, spill, decay, p, alpha) that it has."""
+    """The ranking ``name`` with those of ``params`` (n_obs, max_pool_width, spill, q_spill, decay, p) that it
+    has."""
     if name not in RANKINGS:
         raise ValueError(f"unknown ranking {name!r}; available: {', '.join(RANKINGS)}")
     cls = RANKINGS[name]
