@@ -87,13 +87,17 @@ class WindowMethod(SizedByCapacities, Compressing):
             n_obs=c.n_obs,
             max_pool_width=c.max_pool_width,
             spill=self.spill_windows,
-            q_spill=None if c.q_spill is None else -(-c.q_spill // c.window),
+            q_spill=None if c.q_spill is None else self.covering_windows(c.q_spill),
         )
 
     @property
     def spill_windows(self) -> int:
         """Windows covering the ``spill`` tokens after a window (its ranking key spills over them)."""
-        return -(-self.cache.spill // self.cache.window)
+        return self.covering_windows(self.cache.spill)
+
+    def covering_windows(self, tokens: int) -> int:
+        """Windows of W tokens that cover ``tokens`` tokens (rounded up): a spill in the ranking's units."""
+        return -(-tokens // self.cache.window)
 
     def capacities(self, request: CacheRequest) -> Capacities:
         """Static buffer sizes for a request: the ``allocation``'s."""

@@ -217,7 +217,7 @@ class HeadMaxRanking(Ranking):
     """Cumulative attention whose prompt-time score is the largest over query heads rather than their mean:
     each head sums its observation rows per window, and a window scores what its most attentive head gave it.
     A head that retrieves (one sharp peak) is not averaged away by the heads that spread their mass; the
-    decode steps then add head-mean mass, as the cumulative ranking does."""
+    decode steps then add head-mean mass, as the cumulative ranking does. ``max_pool_width`` is not applied."""
 
     name: ClassVar[str] = "headmax"
 
