@@ -239,12 +239,27 @@ def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.A
     return out, [sc * inv for sc in scales]
 
 
-def merge_tiers(tiers: Sequence[Partial], *, head_mean: bool = True) -> TierAttention:
+def merge_tiers(
+    tiers: Sequence[Partial], *, head_mean: bool = True, q_logit_bias: float = 0.0, biased_mass: bool = True
+) -> TierAttention:
     """Combine the (sink, F, Q, ring) partials of one decode query per head into the normalized output and
     the masses: averaged over every query head, or (``head_mean=False``) per KV head over its group only,
-    which needs nothing from another KV head's device on a mesh."""
+    which needs nothing from another KV head's device on a mesh.
+
+    ``q_logit_bias`` (<= 0) is added to every Q-tier logit: the Q tier's share of the softmax is scaled by
+    ``exp(q_logit_bias)`` before normalization, so a low-bit window sways the output only when its keys
+    match clearly better than the full-precision ones. Shifting the Q partial's max logit is exactly that
+    (its ``out`` and ``l`` are relative to the max), so the kernels' partials need no change. The masses are
+    those of the biased softmax, or (``biased_mass`` False) of the softmax without the bias.
+    """
     live = [i for i, t in enumerate(tiers) if t.mass.shape[-1] > 0]
+    unbiased = tiers
+    if q_logit_bias:
+        tiers = [t._replace(m=t.m + q_logit_bias) if i == 2 else t for i, t in enumerate(tiers)]
     out, weights = combine_partials([tiers[i] for i in live])
+    if q_logit_bias and not biased_mass:
+        tiers = unbiased
+        _, weights = combine_partials([tiers[i] for i in live])
     axes = (1, 2) if head_mean else (2,)
     kept = (0,) if head_mean else (0, 1)
     masses = [jnp.zeros([t.mass.shape[a] for a in kept] + list(t.mass.shape[3:]), jnp.float32) for t in tiers]

@@ -108,6 +108,8 @@ def _sample_value(method, option: str):
         return None  # R1 (W = 1) cannot hold INT2 windows: no other legal value
     if option == "budget_bytes":
         return 123_456
+    if option == "q_logit_bias":  # <= 0
+        return current - 1.0
     if option == "bits":
         return 4 if current == 2 else 2
     if option == "quant":

@@ -49,9 +49,10 @@ def np_rope(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def np_softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray):
-    """q [Hkv, G, D], k, v [Hkv, N, D] -> (out [Hkv, G, D], probs [Hkv, G, N]) in float64."""
-    s = np.einsum("kgd,knd->kgn", q, k) / np.sqrt(q.shape[-1])
+def np_softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | float = 0.0):
+    """q [Hkv, G, D], k, v [Hkv, N, D] -> (out [Hkv, G, D], probs [Hkv, G, N]) in float64; ``bias`` [N]
+    is added to the scaled logits."""
+    s = np.einsum("kgd,knd->kgn", q, k) / np.sqrt(q.shape[-1]) + bias
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("kgn,knd->kgd", p, v), p
@@ -152,8 +153,13 @@ def np_kivi_values(v: np.ndarray) -> np.ndarray:
     return c * s.astype(np.float64)[..., None] + z.astype(np.float64)[..., None]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_everything_in_q_matches_numpy_kivi_reference(seed):
+@pytest.mark.parametrize(
+    ("seed", "q_logit_bias", "biased_mass"), [(0, 0.0, True), (1, 0.0, True), (2, 0.0, True), (0, -1.5, True), (1, -2.0, False)]
+)
+def test_everything_in_q_matches_numpy_kivi_reference(seed, q_logit_bias, biased_mass):
+    """Decode attention over sinks, Q windows and the ring equals float64 softmax attention over the KIVI-
+    dequantized keys and values, with ``q_logit_bias`` added to every Q key's logit; the Q slots' masses are
+    that softmax's (or, ``biased_mass`` False, the unbiased softmax's) probabilities per window."""
     q, k, v = layer_inputs(seed, T)
     q1, k1, v1 = layer_inputs(seed + 100, 1)
     k1 = (
@@ -161,7 +167,8 @@ def test_everything_in_q_matches_numpy_kivi_reference(seed):
         .swapaxes(1, 2)
         .astype(np.float32)
     )
-    out, cache, _, att = jitted_layer(CAPS_Q)(q, k, v, jnp.asarray(LENGTHS), q1, k1, v1)
+    caps = dataclasses.replace(CAPS_Q, q_logit_bias=q_logit_bias, q_biased_mass=biased_mass)
+    out, cache, _, att = jitted_layer(caps)(q, k, v, jnp.asarray(LENGTHS), q1, k1, v1)
     assert int(np.asarray(cache.evictions).sum()) == 0
     for b, n in enumerate(LENGTHS):
         routed = max(0, (n - S - R) // W)
@@ -178,7 +185,12 @@ def test_everything_in_q_matches_numpy_kivi_reference(seed):
         keys += [k[b, tail].swapaxes(0, 1), k1[b].swapaxes(0, 1)]
         vals += [v[b, tail].swapaxes(0, 1), v1[b].swapaxes(0, 1)]
         qb = q1[b, 0].reshape(MODEL.num_kv_heads, -1, MODEL.head_dim).astype(np.float64)
-        want, probs = np_softmax_attend(qb, np.concatenate(keys, 1), np.concatenate(vals, 1))
+        keys, vals = np.concatenate(keys, 1), np.concatenate(vals, 1)
+        bias = np.zeros(keys.shape[1])
+        bias[S : S + routed * W] = q_logit_bias
+        want, probs = np_softmax_attend(qb, keys, vals, bias)
+        if not biased_mass:
+            _, probs = np_softmax_attend(qb, keys, vals)
         got = np.asarray(out[b, 0]).reshape(want.shape)
         # float32 pipeline vs float64: an f16 grid can land one ulp apart (f32 un-rotation and division)
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
@@ -187,6 +199,17 @@ def test_everything_in_q_matches_numpy_kivi_reference(seed):
         slots = np.asarray(cache.ledger.win[b])
         got_q = np.array([np.asarray(att.q_mass[b])[slots == w][0] for w in range(routed)])
         np.testing.assert_allclose(got_q, q_mass, atol=2e-5)
+
+
+def test_q_logit_bias_reaches_the_capacities_and_is_checked():
+    request = CacheRequest(model_cfg=MODEL, batch=1, prompt_capacity=1024, max_new_tokens=8, dtype=jnp.float32, budget_tokens=1032)
+    caps = make_method("qevict", 0.3, q_logit_bias=-1.5, q_biased_mass=False).capacities(request)
+    assert (caps.q_logit_bias, caps.q_biased_mass) == (-1.5, False)
+    plain = make_method("qevict", 0.3).capacities(request)
+    assert (plain.q_logit_bias, plain.q_biased_mass) == (0.0, True)
+    assert dataclasses.replace(caps, q_logit_bias=0.0, q_biased_mass=True) == plain  # the bytes do not change
+    with pytest.raises(ValueError, match=r"q_logit_bias must be in \[-1e4, 0\]"):
+        make_method("qevict", 0.3, q_logit_bias=0.5)
 
 
 @pytest.mark.parametrize("caps", [CAPS_Q, CAPS_F], ids=["all-q", "all-f"])

@@ -31,6 +31,7 @@ CACHE_BOUNDS = (
     Bound("max_pool_width", lambda v: v >= 0, ">= 0 (0 = no pooling)"),
     Bound("spill", lambda v: v >= 0, ">= 0 (0 = none)"),
     Bound("q_spill", lambda v: v is None or v >= 0, ">= 0 (0 = none) or None (= spill)"),
+    Bound("q_logit_bias", lambda v: -1e4 <= v <= 0.0, "in [-1e4, 0] (0 = none)"),
     Bound("decay", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     Bound("prefill_chunk", lambda v: v >= 1, ">= 1"),
 )
@@ -77,6 +78,12 @@ class CacheConfig:
     q_spill: the spill of the Q tier's key (``q_rank``) among the windows that miss F, in tokens; None: the
         same as ``spill``. F can then keep a longer continuation of what attention points at without
         spreading the Q tier's key-norm ranking over more windows.
+    q_logit_bias: added to the attention logits of every Q-tier key at decode (<= 0; 0 = none): the Q
+        tier's share of each softmax is scaled by ``exp(q_logit_bias)``, so the low-bit windows, chosen
+        because F could not hold them, sway the output only where their keys clearly match better than the
+        full-precision tiers'. The bytes are unchanged.
+    q_biased_mass: the scores take the attention mass of the biased softmax (True), or of the softmax
+        without ``q_logit_bias`` (False: a Q window's promotion is judged by how its keys match alone).
     decay: per-query decay factor of the "decayed" ranking.
     p: exponent of the "pnorm" ranking.
     promotion: allow Q -> F promotions at routing.
@@ -108,6 +115,8 @@ class CacheConfig:
     max_pool_width: int = 0
     spill: int = 8
     q_spill: int | None = None
+    q_logit_bias: float = 0.0
+    q_biased_mass: bool = True
     decay: float = 0.98
     p: float = 3.0
     promotion: bool = True
@@ -173,6 +182,8 @@ class Capacities:
     deferred_head_mean: the cache keeps per-KV-head running masses, folded into the scores at routing
         events (``CacheConfig.deferred_head_mean``).
     q_rank: how windows compete for the Q tier (``CacheConfig.q_rank``).
+    q_logit_bias, q_biased_mass: the Q tier's logit offset at decode and whether the scores see it
+        (``CacheConfig``).
     """
 
     sink: int
@@ -193,6 +204,8 @@ class Capacities:
     quant: str = "channel"
     deferred_head_mean: bool = False
     q_rank: str = "score"
+    q_logit_bias: float = 0.0
+    q_biased_mass: bool = True
 
     @property
     def norm_scored(self) -> bool:

@@ -177,7 +177,12 @@ def tier_attention(
         in_specs=specs,
         out_specs=[Partial(ROW_HEADS, ROW_HEADS, ROW_HEADS, ROW_HEADS)] * 4,
     )
-    return merge_tiers(per_shard(q, tiers, inv_freq), head_mean=not caps.deferred_head_mean)
+    return merge_tiers(
+        per_shard(q, tiers, inv_freq),
+        head_mean=not caps.deferred_head_mean,
+        q_logit_bias=caps.q_logit_bias,
+        biased_mass=caps.q_biased_mass,
+    )
 
 
 def decode_layer(

@@ -40,6 +40,8 @@ QEVICT_OPTIONS = (
     "max_pool_width",
     "spill",
     "q_spill",
+    "q_logit_bias",
+    "q_biased_mass",
     "decay",
     "p",
     "promotion",
