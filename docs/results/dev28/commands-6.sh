@@ -3,7 +3,7 @@
 # β = 0.2; `r3` is the vehicle for the default (crot-k4v3, q_rank blend, q_frac 0.85) with one setting changed.
 # The first three cells ran with the discount as an environment switch in merge_tiers before the option existed
 # (the same arithmetic: the Q partial's max logit shifted, the masses of the discounted softmax); the rest with
-# the options q_logit_bias / q_biased_mass. Held-out records: docs/results/ruler4k-b01-qbias.
+# the options q_logit_bias / q_biased_mass. Held-out records: docs/results/ruler4k-b01-qbias, ruler2k-qbias.
 set -x
 T=niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2,niah_multivalue,vt
 D="qevict eval ruler --tasks $T --samples 10 --max-new-tokens 48 --batch 10 --seed 1000 --lengths 4096 --budgets 0.1 --no-progress"
@@ -18,4 +18,5 @@ $D $V --set r3.q_logit_bias=-1 --set r3.q_biased_mass=false --out runs/dev28/awa
 R="qevict eval ruler --tasks $T --samples 20 --max-new-tokens 48 --batch 10 --no-progress"
 C="--methods qevict --set qevict.q_logit_bias=-1 --set qevict.q_biased_mass=false"
 $R --lengths 4096 --budgets 0.1 $C --out runs/dev28/ruler4k-b01-qbias
-# next, not run in this session: 2K both budgets, 2K and 4K question-agnostic β = 0.2, 4K β = 0.2
+$R --lengths 2048 --budgets 0.2,0.1 $C --out runs/dev28/ruler2k-qbias
+# next, not run in this session: 2K and 4K question-agnostic β = 0.2, 4K β = 0.2
