@@ -208,6 +208,9 @@ def test_q_logit_bias_reaches_the_capacities_and_is_checked():
     plain = make_method("qevict", 0.3).capacities(request)
     assert (plain.q_logit_bias, plain.q_biased_mass) == (0.0, True)
     assert dataclasses.replace(caps, q_logit_bias=0.0, q_biased_mass=True) == plain  # the bytes do not change
+    named = make_method("qevict-discount", 0.3).capacities(request)  # the named method: a discount of 1
+    assert (named.q_logit_bias, named.q_biased_mass) == (-1.0, False)
+    assert dataclasses.replace(named, q_logit_bias=0.0, q_biased_mass=True) == plain
     with pytest.raises(ValueError, match=r"q_logit_bias must be in \[-1e4, 0\]"):
         make_method("qevict", 0.3, q_logit_bias=0.5)
 

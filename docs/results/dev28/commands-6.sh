@@ -19,4 +19,14 @@ R="qevict eval ruler --tasks $T --samples 20 --max-new-tokens 48 --batch 10 --no
 C="--methods qevict --set qevict.q_logit_bias=-1 --set qevict.q_biased_mass=false"
 $R --lengths 4096 --budgets 0.1 $C --out runs/dev28/ruler4k-b01-qbias
 $R --lengths 2048 --budgets 0.2,0.1 $C --out runs/dev28/ruler2k-qbias
-# next, not run in this session: 2K and 4K question-agnostic β = 0.2, 4K β = 0.2
+# the remaining held-out cells (the next session, the same code), after which the discount became the default
+$R --lengths 2048 --budgets 0.2 --question-agnostic $C --out runs/s43/ruler2k-qa-qbias
+$R --lengths 4096 --budgets 0.2 $C --out runs/s43/ruler4k-b02-qbias
+$R --lengths 4096 --budgets 0.2 --question-agnostic $C --out runs/s43/ruler4k-qa-qbias
+S="--set qevict.q_logit_bias=-1 --set qevict.q_biased_mass=false"
+qevict eval fidelity --lengths 4096 --targets 64 --methods qevict --budgets 0.1,0.2 --samples 3 $S --out runs/s43/fid4k-qbias
+qevict eval fidelity --lengths 4096 --targets 64 --methods qevict --budgets 0.1,0.2 --samples 3 --set qevict.q_logit_bias=-0.5 --set qevict.q_biased_mass=false --out runs/s43/fid4k-qbias05
+Q="qevict eval ruler --model qwen2.5-coder-0.5b-instruct --tasks niah_multikey_2 --samples 20 --max-new-tokens 48 --batch 10 --lengths 4096"
+$Q --budgets 0.1,0.05 --methods qevict $S --out runs/s43/qwen4k-mk2-qbias
+$Q --budgets 0.2 --question-agnostic --methods qevict $S --out runs/s43/qwen4k-mk2-qa-b02-qbias
+python bench/decode_cpu.py --contexts 8000 --batches 1,4 --no-reference --method qevict,q_logit_bias=-1,q_biased_mass=false
