@@ -135,6 +135,9 @@ class WindowMethod(SizedByCapacities, Compressing):
         )
 
 
+QEVICT_DEFAULT: dict[str, Any] = {"q_frac": 0.85, "quant": "crot-k4v3", "q_rank": "blend"}
+"""The default ``qevict``'s ``CacheConfig`` fields over the defaults (why: its entry in ``VARIANTS``)."""
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # One configuration for a question in the prompt and for a context compressed before its question: attention
     # chooses F; Q holds the windows in the top of either the attention ranking or the key-norm ranking
@@ -142,19 +145,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # reads both models' K/V back (crot-k4v3, 31.4% of an F window), with 85% of the historical bytes in Q
     # (about 18 Q windows per F window). Chosen on development samples (seed 1000, 2K, both modes) against
     # q_frac 0.70 / 0.90 / 0.95 and q_rank "score" / "keynorm" (docs/results.md, "One default for both modes")
-    "qevict": {"q_frac": 0.85, "quant": "crot-k4v3", "q_rank": "blend"},
+    "qevict": QEVICT_DEFAULT,
     # the default with its Q tier read at a discount (Q logits lowered by 1 at decode, so ~18 low-bit windows
     # per F window, most of them haystack, weigh less; windows scored by the undiscounted softmax, so a question
     # that matches a Q window still promotes it). Chosen on development samples (seed 1000) against biases -1 /
     # -2 with discounted scores; held out it retrieves better question-aware and costs fidelity to Full-KV and
     # some question-agnostic score, so it is not the default (docs/results.md, "Reading the Q tier at a discount")
-    "qevict-discount": {
-        "q_frac": 0.85,
-        "quant": "crot-k4v3",
-        "q_rank": "blend",
-        "q_logit_bias": -1.0,
-        "q_biased_mass": False,
-    },
+    "qevict-discount": {**QEVICT_DEFAULT, "q_logit_bias": -1.0, "q_biased_mass": False},
     # the default before issue 25 (KIVI's INT2 tier, half of the historical bytes in Q, ranked by attention
     # alone): chosen on RULER at 2K, where 0.70 put too few windows in F for retrieval; kept for ablation
     "qevict-int2": {"q_frac": 0.5},
