@@ -223,18 +223,29 @@ def rotate_values_back(part: Partial, fmt: ChannelKeys) -> Partial:
     return part._replace(out=part.out @ jnp.asarray(channel_rotation(part.out.shape[-1])).T)
 
 
-def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.Array]]:
-    """Merge per-tier partials into the softmax attention output.
-
-    Returns (out [Q..., D] f32 normalized, weights: per tier [Q...] = exp(m_t - M) / L), so that a tier's
-    normalized attention probabilities are its ``mass`` times its weight.
-    """
+def _scales(partials: Sequence[Partial]) -> tuple[list[jax.Array], jax.Array]:
+    """(per tier exp(m_t - M), 1 / L) over the tiers' running maxima M and total denominator L."""
     big_m = partials[0].m
     for p in partials[1:]:
         big_m = jnp.maximum(big_m, p.m)
     scales = [jnp.exp(p.m - big_m) for p in partials]
     total_l = sum(sc * p.l for sc, p in zip(scales, partials, strict=True))
-    inv = jnp.where(total_l > 0, 1.0 / jnp.where(total_l > 0, total_l, 1.0), 0.0)
+    return scales, jnp.where(total_l > 0, 1.0 / jnp.where(total_l > 0, total_l, 1.0), 0.0)
+
+
+def partial_weights(partials: Sequence[Partial]) -> list[jax.Array]:
+    """Per tier [Q...] = exp(m_t - M) / L: a tier's normalized attention probabilities are its ``mass``
+    times its weight."""
+    scales, inv = _scales(partials)
+    return [sc * inv for sc in scales]
+
+
+def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.Array]]:
+    """Merge per-tier partials into the softmax attention output.
+
+    Returns (out [Q..., D] f32 normalized, weights: ``partial_weights``).
+    """
+    scales, inv = _scales(partials)
     out = sum(sc[..., None] * p.out for sc, p in zip(scales, partials, strict=True)) * inv[..., None]
     return out, [sc * inv for sc in scales]
 
@@ -253,13 +264,10 @@ def merge_tiers(
     those of the biased softmax, or (``biased_mass`` False) of the softmax without the bias.
     """
     live = [i for i, t in enumerate(tiers) if t.mass.shape[-1] > 0]
-    unbiased = tiers
-    if q_logit_bias:
-        tiers = [t._replace(m=t.m + q_logit_bias) if i == 2 else t for i, t in enumerate(tiers)]
-    out, weights = combine_partials([tiers[i] for i in live])
-    if q_logit_bias and not biased_mass:
-        tiers = unbiased
-        _, weights = combine_partials([tiers[i] for i in live])
+    read = [t._replace(m=t.m + q_logit_bias) if i == 2 else t for i, t in enumerate(tiers)] if q_logit_bias else tiers
+    out, weights = combine_partials([read[i] for i in live])
+    if q_logit_bias and not biased_mass:  # the masses of the softmax without the discount
+        weights = partial_weights([tiers[i] for i in live])
     axes = (1, 2) if head_mean else (2,)
     kept = (0,) if head_mean else (0, 1)
     masses = [jnp.zeros([t.mass.shape[a] for a in kept] + list(t.mass.shape[3:]), jnp.float32) for t in tiers]
