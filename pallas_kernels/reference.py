@@ -251,7 +251,12 @@ def combine_partials(partials: Sequence[Partial]) -> tuple[jax.Array, list[jax.A
 
 
 def merge_tiers(
-    tiers: Sequence[Partial], *, head_mean: bool = True, q_logit_bias: float = 0.0, biased_mass: bool = True
+    tiers: Sequence[Partial],
+    *,
+    head_mean: bool = True,
+    q_logit_bias: float = 0.0,
+    biased_mass: bool = True,
+    q_bias_gate: float | None = None,
 ) -> TierAttention:
     """Combine the (sink, F, Q, ring) partials of one decode query per head into the normalized output and
     the masses: averaged over every query head, or (``head_mean=False``) per KV head over its group only,
@@ -262,9 +267,16 @@ def merge_tiers(
     match clearly better than the full-precision ones. Shifting the Q partial's max logit is exactly that
     (its ``out`` and ``l`` are relative to the max), so the kernels' partials need no change. The masses are
     those of the biased softmax, or (``biased_mass`` False) of the softmax without the bias.
+
+    ``q_bias_gate`` (a margin g >= 0) keeps the bias only for the query heads whose F partial's max logit
+    exceeds the Q partial's by more than g; a head whose best historical key is in Q reads Q unbiased. Each
+    head's choice uses its own partials, so it needs nothing from another device on a mesh.
     """
     live = [i for i, t in enumerate(tiers) if t.mass.shape[-1] > 0]
-    read = [t._replace(m=t.m + q_logit_bias) if i == 2 else t for i, t in enumerate(tiers)] if q_logit_bias else tiers
+    bias = q_logit_bias
+    if q_logit_bias and q_bias_gate is not None:  # [B, Hkv, G]: F's best logit leads Q's by more than g
+        bias = jnp.where(tiers[1].m - tiers[2].m > q_bias_gate, q_logit_bias, 0.0)
+    read = [t._replace(m=t.m + bias) if i == 2 else t for i, t in enumerate(tiers)] if q_logit_bias else tiers
     out, weights = combine_partials([read[i] for i in live])
     if q_logit_bias and not biased_mass:  # the masses of the softmax without the discount
         weights = partial_weights([tiers[i] for i in live])

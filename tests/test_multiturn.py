@@ -110,6 +110,8 @@ def _sample_value(method, option: str):
         return 123_456
     if option == "q_logit_bias":  # <= 0
         return current - 1.0
+    if option == "q_bias_gate":  # gates a discount: legal only where the method has one
+        return 0.5 if method.cache.q_logit_bias else None
     if option == "bits":
         return 4 if current == 2 else 2
     if option == "quant":

@@ -18,7 +18,7 @@ from models.config import ModelConfig
 from models.model import LayerContext, Transformer
 from pallas_kernels.formats import ChannelKeys
 from pallas_kernels.quant import QuantizedWindows
-from pallas_kernels.reference import QuantTier, ledger_partial
+from pallas_kernels.reference import Partial, QuantTier, dense_partial, ledger_partial, merge_tiers
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
 from qevict_jax.core.kv import CacheRequest
@@ -213,6 +213,55 @@ def test_q_logit_bias_reaches_the_capacities_and_is_checked():
     assert dataclasses.replace(named, q_logit_bias=0.0, q_biased_mass=True) == plain
     with pytest.raises(ValueError, match=r"q_logit_bias must be in \[-1e4, 0\]"):
         make_method("qevict", 0.3, q_logit_bias=0.5)
+    gated = make_method("qevict-discount", 0.3, q_bias_gate=0.0).capacities(request)
+    assert gated.q_bias_gate == 0.0 and dataclasses.replace(gated, q_bias_gate=None) == named
+    with pytest.raises(ValueError, match="q_bias_gate=0.0 gates the Q tier's discount, but q_logit_bias is 0"):
+        make_method("qevict", 0.3, q_bias_gate=0.0)
+    with pytest.raises(ValueError, match="q_bias_gate must be >= 0"):
+        make_method("qevict-discount", 0.3, q_bias_gate=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("seed", "gate", "biased_mass"), [(0, 0.0, True), (1, 0.0, False), (2, 0.3, False), (3, None, False)]
+)
+def test_gated_discount_matches_float64_softmax(seed, gate, biased_mass):
+    """``merge_tiers`` with ``q_bias_gate`` equals float64 softmax attention over sink | F | Q | ring where
+    the Q keys' logits are lowered by the bias for exactly the heads whose best F logit leads their best Q
+    logit by more than the gate (every head when the gate is None); the masses are per key of that softmax
+    (or of the unbiased one) summed per tier, head-averaged."""
+    rng = np.random.default_rng(seed)
+    b, hkv, g, d, sizes, bias = 2, 2, 4, 16, (3, 5, 7, 4), -1.25
+    q = rng.standard_normal((b, hkv, g, d))
+    keys = [rng.standard_normal((b, hkv, n, d)) * 1.5 for n in sizes]
+    vals = [rng.standard_normal((b, hkv, n, d)) for n in sizes]
+    parts = []
+    for k, v in zip(keys, vals, strict=True):
+        p = dense_partial(jnp.asarray(q[..., None, :], jnp.float32), jnp.asarray(k, jnp.float32),
+                          jnp.asarray(v, jnp.float32), jnp.ones((1, 1, 1, 1, k.shape[2]), bool))  # fmt: skip
+        parts.append(Partial(p.out[..., 0, :], p.m[..., 0], p.l[..., 0], p.mass[..., 0, :]))
+    got = merge_tiers(parts, q_logit_bias=bias, biased_mass=biased_mass, q_bias_gate=gate)
+
+    logits = [np.einsum("bkgd,bknd->bkgn", q, k) / np.sqrt(d) for k in keys]
+    lead = logits[1].max(-1) - logits[2].max(-1)  # [B, Hkv, G]
+    gated = np.ones_like(lead, bool) if gate is None else lead > gate
+    if gate is not None:  # the case splits the heads, so both branches are checked
+        assert 0 < gated.sum() < gated.size
+    edges = np.cumsum((0, *sizes))
+    s_all = np.concatenate(logits, -1)
+
+    def softmax(s):
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    biased = s_all.copy()
+    biased[..., edges[2] : edges[3]] += np.where(gated, bias, 0.0)[..., None]
+    probs = softmax(biased)
+    want = np.einsum("bkgn,bknd->bkgd", probs, np.concatenate(vals, 2))
+    np.testing.assert_allclose(np.asarray(got.out), want, atol=2e-5, rtol=0)
+    mass_probs = probs if biased_mass else softmax(s_all)
+    for i, tier_mass in enumerate((got.sink_mass, got.f_mass, got.q_mass, got.ring_mass)):
+        want_mass = mass_probs[..., edges[i] : edges[i + 1]].mean((1, 2))  # [B, N_tier]
+        np.testing.assert_allclose(np.asarray(tier_mass), want_mass, atol=2e-6)
 
 
 @pytest.mark.parametrize("caps", [CAPS_Q, CAPS_F], ids=["all-q", "all-f"])

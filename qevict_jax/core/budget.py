@@ -79,6 +79,7 @@ def solve_capacities(
             cache_cfg, recent=recent, ring=ring, nf=nf, nq=nq, nl=nl, nw_max=nw, quant=cache_cfg.quant,
             deferred_head_mean=cache_cfg.deferred_head_mean, q_rank=cache_cfg.q_rank,
             q_logit_bias=cache_cfg.q_logit_bias, q_biased_mass=cache_cfg.q_biased_mass,
+            q_bias_gate=cache_cfg.q_bias_gate,
         )  # fmt: skip
 
     fixed = _cache_bytes(caps(0, 0, 0), model_cfg, batch, dtype)

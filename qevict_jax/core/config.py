@@ -32,6 +32,7 @@ CACHE_BOUNDS = (
     Bound("spill", lambda v: v >= 0, ">= 0 (0 = none)"),
     Bound("q_spill", lambda v: v is None or v >= 0, ">= 0 (0 = none) or None (= spill)"),
     Bound("q_logit_bias", lambda v: -1e4 <= v <= 0.0, "in [-1e4, 0] (0 = none)"),
+    Bound("q_bias_gate", lambda v: v is None or v >= 0.0, ">= 0 or None (the discount on every head)"),
     Bound("decay", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     Bound("prefill_chunk", lambda v: v >= 1, ">= 1"),
 )
@@ -84,6 +85,10 @@ class CacheConfig:
         full-precision tiers'. The bytes are unchanged.
     q_biased_mass: the scores take the attention mass of the biased softmax (True), or of the softmax
         without ``q_logit_bias`` (False: a Q window's promotion is judged by how its keys match alone).
+    q_bias_gate: None: ``q_logit_bias`` applies to every query head at every step; a margin g >= 0: only
+        to the heads whose best F-tier logit exceeds their best Q-tier logit by more than g. A head whose best
+        historical match is a Q key (a question about a window F could not hold) reads the Q tier
+        undiscounted. Needs ``q_logit_bias`` < 0.
     decay: per-query decay factor of the "decayed" ranking.
     p: exponent of the "pnorm" ranking.
     promotion: allow Q -> F promotions at routing.
@@ -117,6 +122,7 @@ class CacheConfig:
     q_spill: int | None = None
     q_logit_bias: float = 0.0
     q_biased_mass: bool = True
+    q_bias_gate: float | None = None
     decay: float = 0.98
     p: float = 3.0
     promotion: bool = True
@@ -148,6 +154,11 @@ class CacheConfig:
             raise ValueError(
                 f"budget β is a fraction of the uncompressed cache's bytes and must be in (0, 1], got "
                 f"{self.budget} (β = 1 keeps as many bytes as Full-KV; to size a cache in bytes set budget_bytes)"
+            )
+        if self.q_bias_gate is not None and not self.q_logit_bias:
+            raise ValueError(
+                f"q_bias_gate={self.q_bias_gate} gates the Q tier's discount, but q_logit_bias is 0 "
+                f"(no discount): set q_logit_bias < 0 too, or leave q_bias_gate unset"
             )
         if self.ranking not in RANKINGS:
             raise ValueError(f"unknown ranking {self.ranking!r}; available: {', '.join(RANKINGS)}")
@@ -182,8 +193,8 @@ class Capacities:
     deferred_head_mean: the cache keeps per-KV-head running masses, folded into the scores at routing
         events (``CacheConfig.deferred_head_mean``).
     q_rank: how windows compete for the Q tier (``CacheConfig.q_rank``).
-    q_logit_bias, q_biased_mass: the Q tier's logit offset at decode and whether the scores see it
-        (``CacheConfig``).
+    q_logit_bias, q_biased_mass, q_bias_gate: the Q tier's logit offset at decode, whether the scores see
+        it, and which heads it applies to (``CacheConfig``).
     """
 
     sink: int
@@ -206,6 +217,7 @@ class Capacities:
     q_rank: str = "score"
     q_logit_bias: float = 0.0
     q_biased_mass: bool = True
+    q_bias_gate: float | None = None
 
     @property
     def norm_scored(self) -> bool:

@@ -182,6 +182,7 @@ def tier_attention(
         head_mean=not caps.deferred_head_mean,
         q_logit_bias=caps.q_logit_bias,
         biased_mass=caps.q_biased_mass,
+        q_bias_gate=caps.q_bias_gate,
     )
 
 

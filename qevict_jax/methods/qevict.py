@@ -42,6 +42,7 @@ QEVICT_OPTIONS = (
     "q_spill",
     "q_logit_bias",
     "q_biased_mass",
+    "q_bias_gate",
     "decay",
     "p",
     "promotion",

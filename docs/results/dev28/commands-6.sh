@@ -19,7 +19,8 @@ R="qevict eval ruler --tasks $T --samples 20 --max-new-tokens 48 --batch 10 --no
 C="--methods qevict --set qevict.q_logit_bias=-1 --set qevict.q_biased_mass=false"
 $R --lengths 4096 --budgets 0.1 $C --out runs/dev28/ruler4k-b01-qbias
 $R --lengths 2048 --budgets 0.2,0.1 $C --out runs/dev28/ruler2k-qbias
-# the remaining held-out cells (the next session, the same code), after which the discount became the default
+# the remaining held-out cells (the next session, the same code), after which the discount became a named method
+# (`qevict-discount`), not the default (docs/results.md, "The discount held out in every cell")
 $R --lengths 2048 --budgets 0.2 --question-agnostic $C --out runs/s43/ruler2k-qa-qbias
 $R --lengths 4096 --budgets 0.2 $C --out runs/s43/ruler4k-b02-qbias
 $R --lengths 4096 --budgets 0.2 --question-agnostic $C --out runs/s43/ruler4k-qa-qbias
