@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Gating the Q tier's discount by where each head's best historical match is (q_bias_gate). Development cells
+# (seed 1000, 10 per task, 60 per cell, six tasks) and fidelity (the 3 passages of every fidelity row); each is
+# the default `qevict` with q_logit_bias=-1, q_biased_mass=false (qevict-discount's) and the gate. The gate-0 rows
+# (fid4k-gate0, qa2k-gate0, aware4k-b01-gate0) ran on fab226f with the gate's arithmetic behind an environment
+# switch in merge_tiers (bias where F's max logit > Q's max logit), before the option existed, so their
+# sweep.json does not name it; the rest on 65580a7 with the option. Records in docs/results/dev29/.
+set -x
+T=niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2,niah_multivalue,vt
+S="--set qevict.q_logit_bias=-1 --set qevict.q_biased_mass=false"
+F="qevict eval fidelity --lengths 4096 --targets 64 --methods qevict --budgets 0.1,0.2 --samples 3"
+D="qevict eval ruler --tasks $T --samples 10 --max-new-tokens 48 --batch 10 --seed 1000"
+$F $S --set qevict.q_bias_gate=0 --out runs/s44/fid4k-gate0
+$D --lengths 2048 --budgets 0.2 --question-agnostic --methods qevict $S --set qevict.q_bias_gate=0 --out runs/s44/qa2k-gate0
+$D --lengths 4096 --budgets 0.1 --methods qevict $S --set qevict.q_bias_gate=0 --out runs/s44/aware4k-b01-gate0
+# a side probe: 4-bit values at the default's q_frac (10% more bytes per Q window, fewer Q windows)
+$F --set qevict.quant=crot-k4v4 --out runs/s44/fid4k-k4v4
+$F $S --set qevict.q_bias_gate=1 --out runs/s44/fid4k-gate1
+$D --lengths 4096 --budgets 0.1 --methods qevict $S --set qevict.q_bias_gate=1 --out runs/s44/aware4k-b01-gate1
+# held out (the README's seeds, 20 per task, 120 per cell), gate 0, run after the choice above
+R="qevict eval ruler --tasks $T --samples 20 --max-new-tokens 48 --batch 10"
+C="--methods qevict $S --set qevict.q_bias_gate=0"
+$R --lengths 2048 --budgets 0.2 --question-agnostic $C --out runs/s44/ruler2k-qa-gate
+$R --lengths 4096 --budgets 0.1 $C --out runs/s44/ruler4k-b01-gate
+$R --lengths 4096 --budgets 0.1 --methods qevict $S --set qevict.q_bias_gate=1 --out runs/s44/ruler4k-b01-gate1
