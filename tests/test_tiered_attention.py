@@ -215,6 +215,7 @@ def test_q_logit_bias_reaches_the_capacities_and_is_checked():
         make_method("qevict", 0.3, q_logit_bias=0.5)
     gated = make_method("qevict-discount", 0.3, q_bias_gate=0.0).capacities(request)
     assert gated.q_bias_gate == 0.0 and dataclasses.replace(gated, q_bias_gate=None) == named
+    assert make_method("qevict-gated", 0.3).capacities(request) == gated  # the named method: gate 0
     with pytest.raises(ValueError, match="q_bias_gate=0.0 gates the Q tier's discount, but q_logit_bias is 0"):
         make_method("qevict", 0.3, q_bias_gate=0.0)
     with pytest.raises(ValueError, match="q_bias_gate must be >= 0"):
