@@ -23,3 +23,10 @@ C="--methods qevict $S --set qevict.q_bias_gate=0"
 $R --lengths 2048 --budgets 0.2 --question-agnostic $C --out runs/s44/ruler2k-qa-gate
 $R --lengths 4096 --budgets 0.1 $C --out runs/s44/ruler4k-b01-gate
 $R --lengths 4096 --budgets 0.1 --methods qevict $S --set qevict.q_bias_gate=1 --out runs/s44/ruler4k-b01-gate1
+# the remaining held-out cells for gate 0 (the next session, code 5e6f9c5: the same arithmetic; records
+# docs/results/ruler2k-gate, ruler4k-b02-gate, ruler4k-qa-gate, qwen4k-mk2-gate); `qevict-gated` names these options
+$R --lengths 2048 --budgets 0.2,0.1 $C --out runs/s45/ruler2k-gate
+$R --lengths 4096 --budgets 0.2 $C --out runs/s45/ruler4k-b02-gate
+$R --lengths 4096 --budgets 0.2 --question-agnostic $C --out runs/s45/ruler4k-qa-gate
+Q="qevict eval ruler --model qwen2.5-coder-0.5b-instruct --tasks niah_multikey_2 --samples 20 --max-new-tokens 48 --batch 10 --lengths 4096"
+$Q --budgets 0.1,0.05 $C --out runs/s45/qwen4k-mk2-gate
