@@ -115,7 +115,8 @@ def main() -> None:
         f"{args.model}, f32 compute, bf16 KV, CPU, {g} new tokens (greedy, no EOS); "
         f"{qevict.name} β={qevict.cache.budget}, Ω={qevict.cache.omega}, W={qevict.cache.window}, "
         f"q_frac={qevict.cache.q_frac}, quant={qevict.cache.quant}, q_rank={qevict.cache.q_rank}, "
-        f"q_logit_bias={qevict.cache.q_logit_bias}, q_biased_mass={qevict.cache.q_biased_mass}"
+        f"q_logit_bias={qevict.cache.q_logit_bias}, q_biased_mass={qevict.cache.q_biased_mass}, "
+        f"q_bias_gate={qevict.cache.q_bias_gate}"
     )
     print(
         "| prompt tokens | batch | method | TTFT (s) | ms/step | tok/s | tok/s vs Full-KV | TTFT vs Full-KV "
