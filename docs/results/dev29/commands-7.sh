@@ -30,3 +30,9 @@ $R --lengths 4096 --budgets 0.2 $C --out runs/s45/ruler4k-b02-gate
 $R --lengths 4096 --budgets 0.2 --question-agnostic $C --out runs/s45/ruler4k-qa-gate
 Q="qevict eval ruler --model qwen2.5-coder-0.5b-instruct --tasks niah_multikey_2 --samples 20 --max-new-tokens 48 --batch 10 --lengths 4096"
 $Q --budgets 0.1,0.05 $C --out runs/s45/qwen4k-mk2-gate
+# the session after (code 953e4bd; bench header from the next commit): Qwen question-agnostic (record
+# docs/results/qwen4k-mk2-qa-b02-gate), the decode bench at 8K (docs/results/decode8k-gated*.txt), and the per-head
+# gate decisions (docs/results/gate-heads/commands.sh)
+$Q --budgets 0.2 --question-agnostic --methods qevict-gated --out runs/s46/qwen4k-mk2-qa-b02-gate
+python bench/decode_cpu.py --contexts 8000 --batches 1,4 --no-reference --method qevict-gated
+python bench/decode_cpu.py --contexts 8000 --batches 1,4 --no-reference  # then again with --method qevict-gated, back to back
