@@ -36,3 +36,6 @@ $Q --budgets 0.1,0.05 $C --out runs/s45/qwen4k-mk2-gate
 $Q --budgets 0.2 --question-agnostic --methods qevict-gated --out runs/s46/qwen4k-mk2-qa-b02-gate
 python bench/decode_cpu.py --contexts 8000 --batches 1,4 --no-reference --method qevict-gated
 python bench/decode_cpu.py --contexts 8000 --batches 1,4 --no-reference  # then again with --method qevict-gated, back to back
+# gate 0.5, development only (the same session; records docs/results/dev29/fid4k-gate05, aware4k-b01-gate05)
+qevict eval fidelity --lengths 4096 --targets 64 --methods qevict-gated --budgets 0.1,0.2 --samples 3 --set qevict-gated.q_bias_gate=0.5 --out runs/s46/fid4k-gate05
+$D --lengths 4096 --budgets 0.1 --methods qevict-gated --set qevict-gated.q_bias_gate=0.5 --out runs/s46/aware4k-b01-gate05
