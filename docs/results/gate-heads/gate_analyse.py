@@ -11,12 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-L, ROWS, FIRST, DEEP = (
-    30,
-    10,
-    8,
-    11,
-)  # SmolLM2-135M layers, the eval's batch, answer steps, first "deep" layer
+L = 30  # SmolLM2-135M layers
+ROWS = 10  # the eval's batch
+FIRST = 8  # answer steps summarised
+DEEP = 11  # the first "deep" layer
 path, gated_path, discount_path, budget = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 leads = np.load(path)["leads"]  # [calls, B, Hkv, G]: calls = batches x steps x layers, in order
 rows = [json.loads(x) for x in Path(gated_path).read_text().splitlines()]
