@@ -2,7 +2,7 @@
 
 On a GPU (finishes in a few minutes on an H200):
   1. checks every kernel (ledger, dense slots, all tiers) against its jnp reference on fresh random
-     inputs, with NaN-poisoned outputs;
+     inputs, with NaN-poisoned outputs, for every ledger format (``every_format_cases``);
   2. measures the device copy bandwidth (a large jnp copy: bytes read + written / time);
   3. sweeps a few ledger-kernel configurations (block slots, warps) at one context;
   4. times, per context (8K..128K) and batch (1, 8), one layer of decode attention with Llama-3.1-8B
@@ -15,8 +15,11 @@ On a GPU (finishes in a few minutes on an H200):
 CPU (interpret-mode times say nothing about GPU speed; they only show that the script runs).
 
 Tier sizes at beta (per layer and batch row, bytes as allocated): budget = beta * bf16 Full-KV bytes of
-the context; sink (5) and ring (recent 128 + W) in bf16 are paid first; of the rest, q_frac = 0.7
-goes to ledger slots (INT2 codes + f16 grids + slot_start + valid flag), 0.3 to F slots (bf16 + valid).
+the context; sink (5) and ring (recent 128 + W) in bf16 are paid first; of the rest, q_frac = 0.85 (the
+default ``qevict``'s) goes to ledger slots (``crot-k4v3`` codes + f16 grids and key means + slot_start + valid
+flag), 0.15 to F slots (bf16 + valid).
+
+``bench/gpu.py`` runs these steps, the end-to-end decode and the targets as one time-budgeted plan.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.formats import QuantFormat, quant_format  # noqa: E402
+from pallas_kernels.formats import QUANT_NAMES, QuantFormat, quant_format  # noqa: E402
 from pallas_kernels.fused_attention import dense_slot_attention, fused_partials  # noqa: E402
 from pallas_kernels.ledger_attention import ledger_attention  # noqa: E402
 from pallas_kernels.quant import QuantizedWindows  # noqa: E402
@@ -61,11 +64,11 @@ class Setup:
     head_dim: int = 128
     window: int = 8
     bits: int = 2
-    quant: str = "channel"  # the ledger format (``pallas_kernels.formats.quant_format``)
+    quant: str = "crot-k4v3"  # the default qevict's ledger format (``pallas_kernels.formats.quant_format``)
     sink: int = 5
     recent: int = 128
     beta: float = 0.2
-    q_frac: float = 0.7
+    q_frac: float = 0.85  # the default qevict's
 
     @property
     def groups(self) -> int:
@@ -79,8 +82,9 @@ class Setup:
         """Codes and grids of one ledger slot of one KV head."""
         shapes = self.format.field_shapes(self.window, self.head_dim)
         return sum(
-            math.prod(getattr(shapes, f.name)) * (1 if "codes" in f.name else 2)
+            math.prod(shape) * (1 if "codes" in f.name else 2)
             for f in dataclasses.fields(shapes)
+            if (shape := getattr(shapes, f.name)) is not None  # a field this format does not have
         )
 
 
@@ -105,55 +109,57 @@ def tier_sizes(ctx: int, s: Setup) -> tuple[int, int, int]:
     return nf, nl, nr
 
 
-def _uniform(key, shape, lo, hi, dtype):
-    return jax.random.uniform(key, shape, jnp.float32, lo, hi).astype(dtype)
+def _uniform(rng: np.random.Generator, shape, lo: float, hi: float, dtype) -> jax.Array:
+    return jnp.asarray(rng.uniform(lo, hi, shape).astype(np.float32)).astype(dtype)
 
 
-def ledger_inputs(key, b: int, nl: int, s: Setup, ctx: int, valid_frac: float = 1.0) -> dict:
-    """Random ledger of ``nl`` slots at distinct window positions inside a context of ``ctx`` tokens."""
-    ks_ = jax.random.split(key, 9)
+def ledger_inputs(
+    rng: np.random.Generator, b: int, nl: int, s: Setup, ctx: int, valid_frac: float = 1.0
+) -> dict:
+    """Random ledger of ``nl`` slots at distinct window positions inside a context of ``ctx`` tokens (drawn by
+    numpy: eager ``jax.random`` compiles a program per shape, seconds per case in interpret mode)."""
     hkv, d, w = s.kv_heads, s.head_dim, s.window
     levels = 3
     n_windows = max(nl, (ctx - s.sink) // w)
-    wins = jnp.sort(jax.random.permutation(ks_[0], n_windows)[:nl])
-    valid = jax.random.uniform(ks_[1], (b, nl)) < valid_frac
+    wins = np.sort(rng.permutation(n_windows)[:nl])
+    valid = rng.uniform(size=(b, nl)) < valid_frac
     shapes = s.format.field_shapes(w, d)
     fields = {}
-    for i, f in enumerate(dataclasses.fields(shapes)):
+    for f in dataclasses.fields(shapes):
         if getattr(shapes, f.name) is None:  # a field this format does not have
             continue
         shape = (b, hkv, nl, *getattr(shapes, f.name))
         if "codes" in f.name:
-            fields[f.name] = jax.random.bits(ks_[2 + i], shape, jnp.uint8)
+            fields[f.name] = jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
         elif "scale" in f.name:
-            fields[f.name] = _uniform(ks_[2 + i], shape, 0.1 / levels, 1.5 / levels, jnp.float16)
+            fields[f.name] = _uniform(rng, shape, 0.1 / levels, 1.5 / levels, jnp.float16)
         else:
-            fields[f.name] = _uniform(ks_[2 + i], shape, -1.0, 0.0, jnp.float16)
+            fields[f.name] = _uniform(rng, shape, -1.0, 0.0, jnp.float16)
     return dict(
         codes=QuantizedWindows(**fields),
-        slot_start=jnp.broadcast_to(s.sink + w * wins, (b, nl)).astype(jnp.int32),
-        slot_valid=valid,
-        inv_freq=(1.0 / 10000.0 ** (jnp.arange(0, d, 2) / d)).astype(jnp.float32),
+        slot_start=jnp.asarray(np.broadcast_to(s.sink + w * wins, (b, nl)).astype(np.int32)),
+        slot_valid=jnp.asarray(valid),
+        inv_freq=jnp.asarray((1.0 / 10000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32)),
     )
 
 
-def tier_inputs(key, b: int, ctx: int, s: Setup, dtype=jnp.bfloat16, valid_frac: float = 1.0) -> dict:
+def tier_inputs(seed: int, b: int, ctx: int, s: Setup, dtype=jnp.bfloat16, valid_frac: float = 1.0) -> dict:
     """All arguments of ``fused_partials`` for one layer at context ``ctx`` (tier sizes from the budget)."""
     nf, nl, nr = tier_sizes(ctx, s)
-    k = jax.random.split(key, 9)
+    rng = np.random.default_rng(seed)
     hkv, d, w = s.kv_heads, s.head_dim, s.window
-    normal = lambda kk, *shape: jax.random.normal(kk, shape, jnp.float32).astype(dtype)
-    args = ledger_inputs(k[0], b, nl, s, ctx, valid_frac)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+    args = ledger_inputs(rng, b, nl, s, ctx, valid_frac)
     args.update(
-        q=normal(k[1], b, hkv, s.groups, d),
-        sink_k=normal(k[2], b, hkv, s.sink, d),
-        sink_v=normal(k[3], b, hkv, s.sink, d),
+        q=normal(b, hkv, s.groups, d),
+        sink_k=normal(b, hkv, s.sink, d),
+        sink_v=normal(b, hkv, s.sink, d),
         sink_valid=jnp.ones((b, s.sink), bool),
-        f_k=normal(k[4], b, hkv, nf, w, d),
-        f_v=normal(k[5], b, hkv, nf, w, d),
-        f_valid=jax.random.uniform(k[6], (b, nf)) < valid_frac,
-        ring_k=normal(k[7], b, hkv, nr, d),
-        ring_v=normal(k[8], b, hkv, nr, d),
+        f_k=normal(b, hkv, nf, w, d),
+        f_v=normal(b, hkv, nf, w, d),
+        f_valid=jnp.asarray(rng.uniform(size=(b, nf)) < valid_frac),
+        ring_k=normal(b, hkv, nr, d),
+        ring_v=normal(b, hkv, nr, d),
         ring_valid=jnp.ones((b, nr), bool),
     )
     return args
@@ -188,59 +194,106 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max(initial=0.0) / max(np.abs(want).max(initial=0.0), 1e-30))
 
 
-def check_kernels(s: Setup, interpret: bool, small: bool) -> bool:
-    """Every kernel against its reference on fresh inputs with poisoned outputs; prints one line each."""
-    print("== checks (kernel vs jnp reference, NaN-poisoned outputs; max |err| / max |ref|)")
-    ok = True
-    key = jax.random.PRNGKey(int(time.time()))
-    ctx = 2000 if small else 12_000
-    tol = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
-    for i, (dtype, bits, quant, valid_frac) in enumerate(
-        [
-            (jnp.float32, 2, "channel", 0.7),
-            (jnp.bfloat16, 2, "channel", 1.0),
-            (jnp.float32, 4, "channel", 0.5),
-            (jnp.float32, 2, "rot-k4v3", 0.7),
-            (jnp.bfloat16, 2, "rot-k4v3", 1.0),
-            (jnp.float32, 2, "crot-k4v3", 0.7),
-            (jnp.float32, 2, "kch2-rotv3", 0.7),
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckCase:
+    """One kernel check: a ledger format (``quant``, ``bits`` for "channel"), the dtype of q and the dense
+    tiers, the share of valid slots, and which kernels run ("ledger", "dense", "fused")."""
+
+    quant: str
+    bits: int = 2
+    dtype: str = "float32"
+    valid_frac: float = 0.7
+    kernels: tuple[str, ...] = ("ledger", "dense", "fused")
+
+
+def every_format_cases(*, light: bool = False) -> tuple[CheckCase, ...]:
+    """A case per ledger format (``QUANT_NAMES``, "channel" at INT2 and INT4) in float32, and the default
+    format (``crot-k4v3``) and "channel" in bfloat16 with every slot valid. ``light`` (the CPU dry run): every
+    format through the ledger kernel, and the dense and all-tier kernels only for the default format (float32
+    and bfloat16) and "channel" at INT2 (the formats share the all-tier kernel's ledger code; interpret mode
+    compiles each case for a few seconds)."""
+    heavy = {("crot-k4v3", 2, "float32"), ("crot-k4v3", 2, "bfloat16"), ("channel", 2, "float32")}
+    cases = [CheckCase(quant="channel", bits=4)]
+    cases += [CheckCase(quant=name) for name in QUANT_NAMES]
+    cases += [CheckCase(quant=n, dtype="bfloat16", valid_frac=1.0) for n in ("channel", "crot-k4v3")]
+    if light:
+        cases = [
+            c if (c.quant, c.bits, c.dtype) in heavy else dataclasses.replace(c, kernels=("ledger",))
+            for c in cases
+            if c.dtype == "float32" or (c.quant, c.bits, c.dtype) in heavy
         ]
-    ):
-        setup = dataclasses.replace(s, bits=bits, quant=quant)
-        args = tier_inputs(jax.random.fold_in(key, i), 2, ctx, setup, dtype, valid_frac)
-        args["slot_valid"] = args["slot_valid"].at[1].set(False)  # a row with every Q slot masked
-        opts = dict(window=setup.window, fmt=setup.format)
-        with jax.default_matmul_precision("highest"):
-            want_l = ledger_partial(**ledger_args(args), **opts)
-            want_f = merge_tiers(tier_partials(**fused_args(args), **opts))
-            dense = (args["q"], DenseTier(args["f_k"], args["f_v"], args["f_valid"]))
-            want_d = slot_partial(*dense)
-        launch = Launch(interpret=interpret, poison=True)
-        got_l = ledger_attention(**ledger_args(args), **opts, launch=launch)
-        got_f = merge_tiers(fused_partials(launch=launch)(**fused_args(args), **opts))
-        got_d = dense_slot_attention(*dense, launch=launch)
-        m_ok = bool(np.all(np.asarray(got_l[1])[1] == np.float32(-1e30)))
-        errs = {
-            "ledger.out": rel_err(got_l[0], want_l[0]),
-            "ledger.l": rel_err(got_l[2], want_l[2]),
-            "ledger.slot_mass": rel_err(got_l[3], want_l[3]),
-            "dense.out": rel_err(got_d[0], want_d[0]),
-            "dense.slot_mass": rel_err(got_d[3], want_d[3]),
-            "fused.out": rel_err(got_f.out, want_f.out),
-        }
-        for name in ("sink_mass", "f_mass", "q_mass", "ring_mass"):
-            errs[f"fused.{name}"] = rel_err(getattr(got_f, name), getattr(want_f, name))
-        worst = max(errs.values())
-        passed = worst <= tol[dtype] and m_ok
-        ok &= passed
-        nl = args["codes"].k_codes.shape[2]
+    return tuple(cases)
+
+
+def check_case(s: Setup, case: CheckCase, *, seed: int, ctx: int, interpret: bool) -> dict:
+    """One case on fresh inputs with NaN-poisoned outputs: max |err| / max |ref| per output, against the jnp
+    references at float32 "highest" precision; row 1 has every Q slot masked (its running max must stay at
+    the -1e30 floor)."""
+    dtype = jnp.dtype(case.dtype)
+    tol = 1e-4 if dtype == jnp.float32 else 1e-2
+    setup = dataclasses.replace(s, bits=case.bits, quant=case.quant)
+    args = tier_inputs(seed, 2, ctx, setup, dtype, case.valid_frac)
+    args["slot_valid"] = args["slot_valid"].at[1].set(False)
+    opts = dict(window=setup.window, fmt=setup.format)
+    launch = Launch(interpret=interpret, poison=True)
+    dense = (args["q"], DenseTier(args["f_k"], args["f_v"], args["f_valid"]))
+    errs: dict[str, float] = {}
+    masked_row_ok = True
+    with jax.default_matmul_precision("highest"):
+        if "ledger" in case.kernels:
+            want = jax.jit(functools.partial(ledger_partial, **opts))(**ledger_args(args))
+            got = ledger_attention(**ledger_args(args), **opts, launch=launch)
+            masked_row_ok = bool(np.all(np.asarray(got[1])[1] == np.float32(-1e30)))
+            errs |= {
+                f"ledger.{n}": rel_err(got[i], want[i]) for i, n in ((0, "out"), (2, "l"), (3, "slot_mass"))
+            }
+        if "dense" in case.kernels:
+            want, got = jax.jit(slot_partial)(*dense), dense_slot_attention(*dense, launch=launch)
+            errs |= {"dense.out": rel_err(got[0], want[0]), "dense.slot_mass": rel_err(got[3], want[3])}
+        if "fused" in case.kernels:
+            want = jax.jit(lambda a: merge_tiers(tier_partials(**a, **opts)))(fused_args(args))
+            got = merge_tiers(fused_partials(launch=launch)(**fused_args(args), **opts))
+            errs["fused.out"] = rel_err(got.out, want.out)
+            for name in ("sink_mass", "f_mass", "q_mass", "ring_mass"):
+                errs[f"fused.{name}"] = rel_err(getattr(got, name), getattr(want, name))
+    worst = max(errs.values())
+    return dict(
+        format=setup.format.name,
+        bits=case.bits,
+        dtype=dtype.name,
+        kernels=list(case.kernels),
+        slots=int(args["codes"].k_codes.shape[2]),
+        f_slots=int(args["f_k"].shape[2]),
+        worst_rel_err=worst,
+        tolerance=tol,
+        masked_row_ok=masked_row_ok,
+        passed=bool(worst <= tol and masked_row_ok),
+        errors=errs,
+    )
+
+
+def check_kernels(s: Setup, cases, *, interpret: bool, ctx: int, deadline: float = math.inf) -> list[dict]:
+    """Every case (``CheckCase``) on fresh inputs; prints one line each; stops starting cases at
+    ``deadline`` (``time.perf_counter()`` seconds)."""
+    print("== checks (kernel vs jnp reference, NaN-poisoned outputs; max |err| / max |ref|)")
+    seed = time.time_ns() % 2**32  # fresh inputs each run
+    results = []
+    for i, case in enumerate(cases):
+        if time.perf_counter() > deadline:
+            print(f"  (time budget spent: {len(cases) - i} cases not started)")
+            break
+        r = check_case(s, case, seed=seed + i, ctx=ctx, interpret=interpret)
+        results.append(r)
         print(
-            f"  {'PASS' if passed else 'FAIL'} dtype={jnp.dtype(dtype).name} {setup.format.name} INT{bits} NL={nl} "
-            f"NF={args['f_k'].shape[2]} masked-row m ok={m_ok} worst={worst:.2e} (tol {tol[dtype]:g})"
+            f"  {'PASS' if r['passed'] else 'FAIL'} {r['format']}"
+            f"{' INT' + str(r['bits']) if r['format'] == 'channel' else ''} {r['dtype']} "
+            f"{'+'.join(r['kernels'])} NL={r['slots']} NF={r['f_slots']} masked-row m ok={r['masked_row_ok']} "
+            f"worst={r['worst_rel_err']:.2e} (tol {r['tolerance']:g})",
+            flush=True,
         )
-        if not passed:
-            print("       " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
-    return ok
+        if not r["passed"]:
+            print("       " + " ".join(f"{k}={v:.2e}" for k, v in r["errors"].items()))
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -275,7 +328,7 @@ def nbytes(tree) -> int:
 def sweep_ledger(s: Setup, ctx: int, b: int, interpret: bool, iters: int) -> dict:
     """Time a few ledger-kernel configurations; returns the fastest as keyword options."""
     print(f"== ledger kernel sweep (context {ctx}, batch {b})")
-    args = ledger_args(tier_inputs(jax.random.PRNGKey(1), b, ctx, s))
+    args = ledger_args(tier_inputs(1, b, ctx, s))
     read = nbytes(args)
     best, best_t = {}, float("inf")
     for block, warps, stages in [(2, 4, 2), (4, 4, 2), (4, 8, 2), (8, 8, 2), (4, 8, 3), (8, 8, 3)]:
@@ -307,7 +360,9 @@ def bench_table(s: Setup, contexts, batches, interpret: bool, iters: int, ledger
     rows = []
     full = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))
     fused_launch = Launch(
-        interpret=interpret, block_slots=ledger_opts.get("block_slots"), num_warps=ledger_opts.get("num_warps")
+        interpret=interpret,
+        block_slots=ledger_opts.get("block_slots"),
+        num_warps=ledger_opts.get("num_warps"),
     )
     fused_tiers = fused_partials(launch=fused_launch)
     fused = jax.jit(lambda **a: merge_tiers(fused_tiers(**a, window=s.window, fmt=s.format)))
@@ -323,7 +378,7 @@ def bench_table(s: Setup, contexts, batches, interpret: bool, iters: int, ledger
             vf = jax.random.normal(k3, shape, jnp.bfloat16)
             full_s = time_call(full, q, kf, vf, iters=iters)
             del kf, vf
-            args = tier_inputs(key, b, ctx, s)
+            args = tier_inputs(ctx + b, b, ctx, s)
             fused_s = time_call(lambda a: fused(**a), fused_args(args), iters=iters)
             largs = ledger_args(args)
             q_s = time_call(lambda a: ledger(**a), largs, iters=iters)
@@ -379,7 +434,10 @@ def main(argv=None) -> int:
     iters = 2 if interpret else 20
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {jax.devices()[0].device_kind}")
     t0 = time.perf_counter()
-    ok = check_kernels(s, interpret, a.small)
+    checks = check_kernels(
+        s, every_format_cases(light=a.small), interpret=interpret, ctx=1000 if a.small else 12_000
+    )
+    ok = all(c["passed"] for c in checks)
     copy_gbs = copy_bandwidth((64 if a.small else 4096) * 2**20, iters=iters)
     print(f"== device copy bandwidth: {copy_gbs:.1f} GB/s")
     ledger_opts = {} if a.no_sweep or interpret else sweep_ledger(s, 32768, 8, interpret, iters)
