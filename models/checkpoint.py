@@ -5,10 +5,13 @@ Folder layout (written by ``models.convert.convert`` / ``save_checkpoint``)::
     OUT/params/             orbax checkpoint of the params dict (layout of ``models.model.param_shapes``)
     OUT/model_config.json   ``ModelConfig.to_json()``
     OUT/tokenizer.json, OUT/tokenizer_config.json   (written by the converter when the source has a tokenizer)
+    OUT/convert_info.json   the source, the dtype and ``files``: every other file's size, modification time
+                            and SHA-256 (``file_manifest``), which ``damage`` checks
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,10 @@ from models.model import Transformer, check_param_shapes, from_params
 PARAMS_DIR = "params"
 CONFIG_FILE = "model_config.json"
 INFO_FILE = "convert_info.json"
+_DELETE_HINT = (
+    "the checkpoint folder {} is damaged: delete it and convert its source again "
+    "(resolve_model converts a deleted cache entry again)"
+)
 
 
 class CheckpointError(ValueError):
@@ -33,6 +40,57 @@ def is_converted_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a folder with ``model_config.json`` and an orbax ``params/`` checkpoint."""
     path = Path(path)
     return (path / CONFIG_FILE).is_file() and (path / PARAMS_DIR).is_dir()
+
+
+def file_manifest(path: str | Path) -> dict[str, dict[str, int | str]]:
+    """Every file below ``path`` but ``convert_info.json``: {relative path: {"size", "mtime_ns", "sha256"}}."""
+    path = Path(path)
+    out: dict[str, dict[str, int | str]] = {}
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = file.relative_to(path).as_posix()
+        if rel == INFO_FILE:
+            continue
+        st = file.stat()
+        with open(file, "rb") as f:
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+        out[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+    return out
+
+
+def damage(path: str | Path) -> str | None:
+    """What is wrong with converted checkpoint ``path`` against the ``files`` its ``convert_info.json``
+    records (``file_manifest``), or None when nothing is or nothing is recorded (a folder converted before
+    the record existed): a file missing, of another size, or with another modification time and another
+    SHA-256 (a file with only another modification time, as a copy has, is hashed and passes when its
+    content is the same), or an unreadable ``convert_info.json``."""
+    path = Path(path)
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return f"{INFO_FILE} is unreadable ({e})"
+    if not isinstance(info, dict) or "files" not in info:
+        return None
+    try:
+        items = [
+            (str(k), int(v["size"]), int(v["mtime_ns"]), str(v["sha256"])) for k, v in info["files"].items()
+        ]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{INFO_FILE} has a malformed file list ({type(e).__name__}: {e})"
+    for rel, size, mtime_ns, sha in items:
+        file = path / rel
+        try:
+            st = file.stat()
+        except FileNotFoundError:
+            return f"{rel} is missing"
+        if st.st_size != size:
+            return f"{rel} is {st.st_size:,} bytes, expected {size:,}"
+        if st.st_mtime_ns != mtime_ns:
+            with open(file, "rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != sha:
+                    return f"{rel} was modified after the conversion (its SHA-256 differs)"
+    return None
 
 
 def _orbax():
@@ -100,7 +158,9 @@ def load_params(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
                 is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
             )
         except Exception as e:
-            raise CheckpointError(f"{params_dir}: unreadable orbax checkpoint metadata: {e}") from e
+            raise CheckpointError(
+                f"{params_dir}: unreadable orbax checkpoint metadata: {e}; {_DELETE_HINT.format(path)}"
+            ) from e
         try:
             check_param_shapes(cfg, shapes)
         except ValueError as e:
@@ -108,7 +168,9 @@ def load_params(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
         try:
             params = ckptr.restore(params_dir)
         except Exception as e:
-            raise CheckpointError(f"{params_dir}: cannot restore orbax checkpoint: {e}") from e
+            raise CheckpointError(
+                f"{params_dir}: cannot restore orbax checkpoint: {e}; {_DELETE_HINT.format(path)}"
+            ) from e
     return cfg, params
 
 

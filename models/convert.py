@@ -11,8 +11,9 @@ error (except ones that carry no information: rotary ``inv_freq`` buffers, a tie
 Sources are read with numpy (``safetensors`` framework "np", ``gguf``): torch is never imported.
 
 Output (see ``models.checkpoint``): ``OUT/params`` (orbax), ``OUT/model_config.json``, tokenizer files,
-``OUT/convert_info.json``. The folder is written under a temporary name and renamed into place, so an
-interrupted conversion never leaves a half-written ``OUT``.
+``OUT/convert_info.json`` (with every other file's size, modification time and SHA-256, so that damage
+to the folder is found: ``models.checkpoint.damage``). The folder is written under a temporary name and
+renamed into place, so an interrupted conversion never leaves a half-written ``OUT``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors c
 import numpy as np
 from tqdm import tqdm
 
-from models.checkpoint import INFO_FILE, save_checkpoint
+from models.checkpoint import INFO_FILE, file_manifest, save_checkpoint
 from models.config import ModelConfig
 from models.model import param_shapes
 from models.sources import (
@@ -262,7 +263,8 @@ def convert(
     ``out`` must not exist or be an empty folder. ``extra_info`` is merged into ``convert_info.json``.
     progress: a progress bar per tensor on a terminal (tqdm ``disable=None``: silent when not a TTY).
     Returns ``out``.
-    Raises FileNotFoundError (missing source / shard), UnsupportedModelError (architecture or option),
+    Raises FileNotFoundError (missing source / shard, or a tokenizer.json without its
+    tokenizer_config.json), UnsupportedModelError (architecture or option),
     CorruptCheckpointError (unreadable file), ValueError (names or shapes that disagree with the config).
     """
     src, out = Path(src), Path(out)
@@ -283,6 +285,11 @@ def convert(
             tokenizer = Tokenizer.from_gguf_metadata(source.metadata, source=str(src))
         del source
     else:
+        if (src / "tokenizer.json").is_file() and not (src / "tokenizer_config.json").is_file():
+            raise FileNotFoundError(
+                f"{src / 'tokenizer_config.json'} not found: the folder has tokenizer.json but not the "
+                "tokenizer_config.json that holds its special tokens and chat template"
+            )
         cfg, params = read_hf(src, np_dtype, progress=progress)
         kind = "hf"
     with _staging_dir(out) as tmp:
@@ -294,6 +301,6 @@ def convert(
                 if (src / name).is_file():
                     shutil.copyfile(src / name, tmp / name)
         info = {"format_version": FORMAT_VERSION, "source": str(src.absolute()), "kind": kind, "dtype": dtype}
-        info |= extra_info or {}
+        info |= (extra_info or {}) | {"files": file_manifest(tmp)}
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
     return out

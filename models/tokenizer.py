@@ -1,6 +1,6 @@
 """Tokenizer: a ``tokenizers.Tokenizer`` plus special tokens and the model's chat template.
 
-Built either from a folder (``tokenizer.json`` + optional ``tokenizer_config.json`` / ``chat_template.jinja``,
+Built either from a folder (``tokenizer.json`` + ``tokenizer_config.json`` + optional ``chat_template.jinja``,
 as a Hugging Face model or a converted checkpoint has them) or from a GGUF file's metadata
 (``tokenizer.ggml.*``; byte-level BPE, llama.cpp's ``gpt2`` tokenizer model). Chat templates are rendered
 with a sandboxed jinja2 environment that has the globals Hugging Face templates expect.
@@ -211,19 +211,30 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load from a folder with ``tokenizer.json`` (HF model folder or converted checkpoint).
+        """Load from a folder with ``tokenizer.json`` and ``tokenizer_config.json`` (HF model folder or
+        converted checkpoint); a missing one is a FileNotFoundError naming it (without the config, the chat
+        template and the special tokens would be lost silently).
 
         EOS ids are the tokenizer's EOS plus those in ``generation_config.json`` and ``model_config.json``
         when the folder has them.
         """
         path = Path(path)
-        tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise FileNotFoundError(f"{tok_file} not found: a tokenizer folder needs tokenizer.json")
-        backend = tokenizers.Tokenizer.from_file(str(tok_file))
-        config: dict[str, Any] = {}
-        if (path / "tokenizer_config.json").is_file():
-            config = json.loads((path / "tokenizer_config.json").read_text())
+        for name, what in (
+            ("tokenizer.json", "the vocabulary"),
+            ("tokenizer_config.json", "the special tokens and the chat template"),
+        ):
+            if not (path / name).is_file():
+                raise FileNotFoundError(
+                    f"{path / name} not found: a tokenizer folder needs tokenizer.json and "
+                    f"tokenizer_config.json ({name} holds {what})"
+                )
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            config: dict[str, Any] = json.loads((path / "tokenizer_config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path / 'tokenizer_config.json'}: not a JSON file: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"{path / 'tokenizer_config.json'}: expected a JSON object")
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}

@@ -26,6 +26,7 @@ from models.checkpoint import CheckpointError, load_model, load_params
 from models.config import ModelConfig, UnsupportedModelError
 from models.convert import PARAM_TABLE, convert, unpermute_rows
 from models.model import param_shapes
+from models.source_key import conversion_key
 from models.sources import CorruptCheckpointError
 from models.tokenizer import Tokenizer
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
@@ -338,7 +339,8 @@ def test_registered_parts_are_assembled_once_then_converted(tmp_path, monkeypatc
     monkeypatch.setitem(registry.REGISTERED_MODELS, "fake-parts", _parts_entry(data))
     cache = tmp_path / "cache"
     out = registry.resolve_model("fake-parts", cache_dir=cache)
-    assert out == cache / "fake-parts"
+    # named by content: the key of the GGUF the parts came from, at another path, is the assembled file's
+    assert out == cache / f"fake-parts-{conversion_key(gguf_file, 'float32')[:16]}"
     assembled = cache / "sources" / "fake.gguf"
     assert assembled.read_bytes() == data
     _assert_trees_equal(load_params(out)[1], load_params(convert(gguf_file, tmp_path / "direct"))[1])
