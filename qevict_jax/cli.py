@@ -16,6 +16,7 @@ from qevict_jax.core.sharding import make_mesh
 from qevict_jax.diagnostics.run import add_diagnose_parser, cmd_diagnose
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
 from qevict_jax.eval.needle import needle_correct, needle_prompt_text, needle_sample
+from qevict_jax.eval.tasks import floats, names
 from qevict_jax.methods.registry import (
     available_methods,
     cache_stats,
@@ -23,7 +24,7 @@ from qevict_jax.methods.registry import (
     options_for,
     parse_set_options,
 )
-from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
+from qevict_jax.model_args import add_model_args, check_counts, eos_ids, kv_dtype, load, read_prompt_file
 from qevict_jax.runtime.distributed import env_processes, initialize_from_env, is_main, launch, run_main
 from qevict_jax.runtime.generate import SamplerConfig, generate
 from qevict_jax.runtime.streaming import TextStream
@@ -186,7 +187,9 @@ def cmd_generate(args) -> int:
         raise ValueError("--stream prints text as it comes and --json one line at the end: choose one")
     if args.question_agnostic and not args.question:
         raise ValueError("--question-agnostic needs --question (the part of the prompt kept uncompressed)")
-    text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    check_counts(args, "max_new_tokens")
+    SamplerConfig(args.max_new_tokens, args.temperature, args.top_p)  # --temperature, --top-p: before loading
+    text = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
     cfg, model, tok = load(args)
     ids, question_start = _encode_prompt(tok, text, args.question, chat=not args.no_chat)
     sampler = SamplerConfig(args.max_new_tokens, args.temperature, args.top_p, eos_ids(cfg, tok))
@@ -254,8 +257,9 @@ def _write_now(text: str) -> None:
 
 def cmd_needle(args) -> int:
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    budgets = [float(b) for b in args.budgets.split(",")]
+    methods = names(args.methods)
+    budgets = floats(args.budgets, "--budgets")
+    check_counts(args, "samples", "context_tokens", "max_new_tokens")
     scoped = parse_set_options(args.set)
     runs = []
     for name in methods:

@@ -1,9 +1,11 @@
-"""The model on the command line: the arguments every ``qevict`` command that runs a model takes, and loading
-the model and tokenizer they name."""
+"""The model on the command line: the arguments every ``qevict`` command that runs a model takes, loading the
+model and tokenizer they name, and the checks of the inputs those commands share (counts, a prompt file), made
+before the model loads."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -45,6 +47,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="a method option (n_obs=64, recent=64, ranking=cumulative-all, ...); method.NAME=VALUE sets it "
         "for one method; repeatable; an option a method lacks is an error",
     )
+
+
+def check_counts(args: argparse.Namespace, *names: str) -> None:
+    """Refuse a count option below 1 (``--max-new-tokens 0``, ``--samples 0``) before anything runs, naming it
+    as it is typed: a count of 0 is never replaced by a default."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def read_prompt_file(path: Path) -> str:
+    """The text of ``--prompt-file``; a ValueError naming the file when it is missing, a folder or not
+    text."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--prompt-file {path} is not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); "
+            "give a text file"
+        ) from None
+    except OSError as err:  # missing, a folder, unreadable
+        raise ValueError(f"--prompt-file {path}: {err.strerror or err}") from None
 
 
 def kv_dtype(args: argparse.Namespace) -> Any:

@@ -150,10 +150,16 @@ def test_records_carry_the_required_fields_and_nan_becomes_null(tmp_path):
     assert "NaN" not in (tmp_path / "r.jsonl").read_text()
 
 
-def test_check_config_refuses_another_configuration(tmp_path):
+def test_check_config_refuses_another_configuration_once_records_exist(tmp_path):
     check_config(tmp_path, {"model": "a", "seed": 0})
-    check_config(tmp_path, {"model": "a", "seed": 0})  # same: fine
-    with pytest.raises(ValueError, match="seed: 0 -> 1"):
+    check_config(tmp_path, {"model": "a", "seed": 1})  # no record yet: nothing to mix, the new one is taken
+    assert json.loads((tmp_path / "sweep.json").read_text()) == {"model": "a", "seed": 1}
+    run_sweep(jobs()[:1], fake_run, tmp_path / "results.jsonl", progress=False)
+    check_config(tmp_path, {"model": "a", "seed": 1})  # same: fine
+    with pytest.raises(ValueError, match="seed: 1 -> 0"):
+        check_config(tmp_path, {"model": "a", "seed": 0})
+    (tmp_path / "sweep.json").write_text("")  # unreadable while records exist: named, not parsed blindly
+    with pytest.raises(ValueError, match=r"sweep\.json cannot be read"):
         check_config(tmp_path, {"model": "a", "seed": 1})
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.formats import ChannelKeys, QuantFormat, quant_format
+from pallas_kernels.formats import QUANT_NAMES, ChannelKeys, QuantFormat, quant_format
 from qevict_jax.core.bounds import Bound, check_bounds
 
 RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "headmax", "keynorm", "restkv", "gates")
@@ -37,6 +37,16 @@ CACHE_BOUNDS = (
     Bound("prefill_chunk", lambda v: v >= 1, ">= 1"),
 )
 """The ranges of ``CacheConfig``'s numeric fields (the checks across fields are in its ``__post_init__``)."""
+
+
+def cache_option_rule(name: str) -> str:
+    """The valid values of ``CacheConfig`` field ``name`` in words (its range or choices; "" when free)."""
+    choices = {"ranking": RANKINGS, "q_rank": Q_RANKS, "quant": QUANT_NAMES}
+    if name in choices:
+        return "one of " + ", ".join(choices[name])
+    if name == "budget":
+        return "in (0, 1]"
+    return next((b.rule for b in CACHE_BOUNDS if b.field == name), "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +145,7 @@ class CacheConfig:
         check_bounds(self, CACHE_BOUNDS)
         fmt = quant_format(self.quant, self.bits)
         per_byte = 8 // fmt.bits if isinstance(fmt, ChannelKeys) else 1
-        if self.q_frac > 0 and self.window % per_byte:
+        if self.q_frac > 0 and isinstance(fmt, ChannelKeys) and self.window % per_byte:
             raise ValueError(
                 f"window W={self.window} must be a multiple of {per_byte} for INT{fmt.bits} codes "
                 f"(codes of one channel are packed {per_byte} per byte along the window); "

@@ -8,6 +8,7 @@ and summary.png; the Markdown table is printed at the end.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,10 +23,10 @@ from qevict_jax.eval.harness import (
 )
 from qevict_jax.eval.plots import write_summary
 from qevict_jax.eval.summary import merge_results, paired_markdown, paired_rows
-from qevict_jax.eval.sweep import check_config, expand_jobs, lock_sweep, run_sweep
-from qevict_jax.eval.tasks import fidelity_sampler, floats, generation_setup, ints, names
+from qevict_jax.eval.sweep import check_config, compare_config, expand_jobs, lock_sweep, run_sweep
+from qevict_jax.eval.tasks import fidelity_sampler, floats, generation_length, generation_setup, ints, names
 from qevict_jax.methods.registry import parse_set_options
-from qevict_jax.model_args import add_model_args, eos_ids, kv_dtype, load
+from qevict_jax.model_args import add_model_args, check_counts, eos_ids, kv_dtype, load
 
 DEFAULT_METHODS = "full,streamingllm,h2o,snapkv,kivi2,r2,qevict"
 EVAL_TASKS = ("ruler", "longbench", "gsm8k", "fidelity")
@@ -178,18 +179,53 @@ def cmd_paired(args: argparse.Namespace) -> int:
 
 
 def precheck(args: argparse.Namespace) -> None:
-    """Fail fast, before the model loads: unknown tasks, missing data files, malformed lists."""
-    floats(args.budgets)
-    if hasattr(args, "lengths"):
-        ints(args.lengths)
-    if args.eval_task == "ruler" and args.tasks != "all":
-        for t in names(args.tasks):
-            ruler.tokens_to_generate(t)
+    """Fail fast, before the model loads and before anything is written: every list and count option, unknown
+    tasks, missing data files, RULER lengths with no room for a prompt, every method with its ``--set``
+    options, and a ``--out`` that holds a sweep of another configuration. Each error names the option."""
+    budgets = floats(args.budgets, "--budgets")
+    lengths = ints(args.lengths, "--lengths") if hasattr(args, "lengths") else []
+    check_counts(
+        args, "samples", "batch", "max_new_tokens", *(["targets"] if hasattr(args, "targets") else [])
+    )
+    if lengths and min(lengths) < 1:
+        raise ValueError(f"--lengths must be >= 1, got {min(lengths)}")
+    if args.eval_task == "fidelity" and args.max_new_tokens is not None:
+        raise ValueError("--max-new-tokens does not apply to fidelity, which teacher-forces --targets tokens")
+    if getattr(args, "depths", None):
+        for d in floats(args.depths, "--depths"):
+            if not 0.0 <= d <= 1.0:
+                raise ValueError(f"--depths are relative depths in [0, 1], got {d:g}")
+    if args.eval_task == "ruler":
+        _check_ruler_lengths(args, lengths)
     if args.eval_task == "longbench":
         for t in longbench.TASKS if args.tasks == "all" else names(args.tasks):
             longbench.load_task(args.data_dir, t, limit=1)
     if args.eval_task == "gsm8k":
         gsm8k.load(args.data_file, limit=1)
+    resolve_methods(names(args.methods), budgets, lambda _: None, parse_set_options(args.set), _recent(args))
+    compare_config(args.out, _config(args))
+
+
+def _check_ruler_lengths(args: argparse.Namespace, lengths: Sequence[int]) -> None:
+    """A RULER length counts prompt + answer: refuse one that the answer alone fills, naming the option."""
+    for task in ruler.TASKS if args.tasks == "all" else names(args.tasks):
+        gen = generation_length(args, ruler.tokens_to_generate(task))
+        for n in lengths:
+            if gen >= n:
+                source = (
+                    f"--max-new-tokens {gen}"
+                    if args.max_new_tokens is not None
+                    else f"{task}'s default answer length {gen} (set --max-new-tokens to change it)"
+                )
+                raise ValueError(
+                    f"--lengths {n} leaves no room for a prompt after {source}: a RULER length counts prompt "
+                    f"+ answer; use --max-new-tokens below {n} or a longer --lengths"
+                )
+
+
+def _recent(args: argparse.Namespace) -> int | float | None:
+    """The protected recent region of every method that has one: ``--recent``, else the benchmark's."""
+    return args.recent if args.recent is not None else PROTECTED_RECENT[args.eval_task]
 
 
 def run_eval(
@@ -205,14 +241,16 @@ def run_eval(
     """Run the sweep that ``args`` describes with a loaded model; print and return the records."""
 
     log = log or (lambda m: print(m, file=sys.stderr))
+    precheck(args)
     kind = args.eval_task
-    recent = args.recent if args.recent is not None else PROTECTED_RECENT[kind]
     methods = resolve_methods(
-        names(args.methods), floats(args.budgets), log, parse_set_options(args.set), recent
+        names(args.methods),
+        floats(args.budgets, "--budgets"),
+        log,
+        parse_set_options(args.set),
+        _recent(args),
     )
-    lengths = ints(args.lengths) if hasattr(args, "lengths") else [0]
-    config = _config(args)
-    check_config(args.out, config)
+    lengths = ints(args.lengths, "--lengths") if hasattr(args, "lengths") else [0]
     if kind == "fidelity":
         sample_fn = fidelity_sampler(args, tokenizer)
         harness: Any = FidelityHarness(model, methods, sample_fn, teacher_forced_fn, kv_dtype(args))
@@ -220,8 +258,12 @@ def run_eval(
         extra, score_name = ("kl", "ppl_change"), "top-1 agreement (%)"
     else:
         tasks, prepare, samples = generation_setup(args, tokenizer)
+        prepare = functools.lru_cache(maxsize=64)(prepare)
+        planned = [
+            prepare(t, n, 0) for t in tasks for n in lengths
+        ]  # a prompt that cannot be built fails here
         if generate_fn is None:  # the real generate sizes caches: refuse infeasible budgets up front
-            check_feasible(model, methods, [prepare(t, n, 0) for t in tasks for n in lengths], kv_dtype(args))
+            check_feasible(model, methods, planned, kv_dtype(args))
         harness = GenerationHarness(
             model,
             tokenizer,
@@ -237,6 +279,7 @@ def run_eval(
         )
         jobs = expand_jobs(tasks, list(methods), lengths, samples)
         extra, score_name = (), "score"
+    check_config(args.out, _config(args))  # everything is validated: only now is the sweep recorded
     records = run_sweep(
         jobs, harness, Path(args.out) / "results.jsonl", progress=not args.no_progress, desc=kind
     )

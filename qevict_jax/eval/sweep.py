@@ -66,23 +66,63 @@ def expand_jobs(
 # the results file
 
 
-def read_results(path: str | Path) -> list[dict]:
-    """Records of a results file; a torn (unterminated, unparsable) last line is ignored."""
+def read_results(path: str | Path, *, log: Callable[[str], None] | None = None) -> list[dict]:
+    """Records of a results file; a torn (unterminated, unparsable) last line is ignored.
+
+    A malformed record (not a JSON object, or lacking a key field or a numeric score: ``malformed``) is left
+    out with a note naming the file and line (``log``, default stderr), so it is never counted and a resumed
+    sweep runs its job again; so is an unparsable line before the last (one a kill cannot tear).
+    """
     path = Path(path)
     if not path.exists():
         return []
+    log = log or _note
     records = []
-    lines = path.read_text(encoding="utf-8").split("\n")
+    lines = path.read_text(encoding="utf-8", errors="replace").split(
+        "\n"
+    )  # bytes that are not text: not JSON
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
+            problem = malformed(record)
         except json.JSONDecodeError:
-            if i == len(lines) - 1:  # the last line, cut by a kill mid-write
+            if i == len(lines) - 1:  # the last line, cut by a kill mid-write: repaired before the next append
                 break
-            raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+            problem = "is not valid JSON"
+        if problem:
+            log(f"note: {path}: line {i + 1} {problem}: left out (a sweep over this folder runs it again)")
+            continue
+        records.append(record)
     return records
+
+
+def malformed(record: Any) -> str | None:
+    """Why ``record`` cannot be a sweep record (in words), or None when it can: it must be a JSON object with
+    every key field (``KEY_FIELDS``, of their types) and a numeric ``score``."""
+    if not isinstance(record, dict):
+        return f"is not a JSON object ({type(record).__name__})"
+    missing = [k for k in (*KEY_FIELDS, "score") if k not in record]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    types = {"task": str, "method": str, "length": int, "sample": int}
+    wrong = [k for k, t in types.items() if not isinstance(record[k], t) or isinstance(record[k], bool)]
+    if record["budget"] is not None and not _is_number(record["budget"]):
+        wrong.append("budget")
+    if not _is_number(record["score"]):
+        wrong.append("score")
+    if wrong:
+        return "has " + ", ".join(f"{k}={record[k]!r}" for k in wrong)
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _repair_tail(path: Path) -> None:
@@ -144,25 +184,42 @@ def lock_sweep(out_dir: str | Path) -> None:
     _HELD_LOCKS[folder] = f
 
 
-def check_config(out_dir: str | Path, config: Mapping[str, Any]) -> None:
-    """Record the sweep's identity (model, seed, ...) in ``sweep.json``; refuse to mix two configurations.
+def compare_config(out_dir: str | Path, config: Mapping[str, Any]) -> None:
+    """Refuse a sweep whose configuration differs from the one ``out_dir/sweep.json`` records, or whose
+    ``sweep.json`` cannot be read, while ``results.jsonl`` holds records; writes nothing.
 
-    Methods, budgets, lengths and sample counts may change between reruns (they only add or select jobs);
-    anything in ``config`` changes what a job means, so a mismatch is an error.
+    A folder without records (a sweep.json left by an earlier command that ran nothing) takes the new
+    configuration. Methods, budgets, lengths and sample counts may change between reruns (they only add or
+    select jobs); anything in ``config`` changes what a job means, so a mismatch is an error.
     """
     path = Path(out_dir) / "sweep.json"
-    config = _clean(dict(config))
-    if path.exists():
-        old = json.loads(path.read_text())
-        diff = {k: (old.get(k), config.get(k)) for k in set(old) | set(config) if old.get(k) != config.get(k)}
-        if diff:
-            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
-            raise ValueError(
-                f"{out_dir} holds a sweep with another configuration ({detail}); use a new --out"
-            )
+    if not path.exists() or not read_results(Path(out_dir) / "results.jsonl", log=lambda _: None):
         return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as err:  # empty, torn or not UTF-8
+        raise ValueError(
+            f"{path} cannot be read ({err}) but results.jsonl beside it holds records: restore it, or use "
+            "a new --out"
+        ) from None
+    if not isinstance(old, dict):
+        raise ValueError(f"{path} is not a JSON object: restore it, or use a new --out")
+    config = _clean(dict(config))
+    diff = {k: (old.get(k), config.get(k)) for k in set(old) | set(config) if old.get(k) != config.get(k)}
+    if diff:
+        detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
+        raise ValueError(f"{out_dir} holds a sweep with another configuration ({detail}); use a new --out")
+
+
+def check_config(out_dir: str | Path, config: Mapping[str, Any]) -> None:
+    """Record the sweep's identity (model, seed, ...) in ``sweep.json`` after ``compare_config`` accepts it.
+    Call it once everything else is validated: a refused command must not leave a sweep.json behind."""
+    compare_config(out_dir, config)
+    path = Path(out_dir) / "sweep.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp = path.with_name(f".sweep.json.{os.getpid()}")
+    tmp.write_text(json.dumps(_clean(dict(config)), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)  # whole or absent: a kill never leaves a torn sweep.json
 
 
 def run_sweep(

@@ -15,16 +15,46 @@ from qevict_jax.eval.fidelity import fidelity_sample
 from qevict_jax.eval.harness import Prepared
 
 
-def floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def floats(text: str, option: str) -> list[float]:
+    """The numbers of list option ``option`` (``"0.1,0.2"``); a ValueError naming it on a bad or empty
+    list."""
+    return _values(text, float, option, "numbers")
 
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def ints(text: str, option: str) -> list[int]:
+    """The integers of list option ``option`` (``"2048,4096"``); a ValueError naming it on a bad or empty
+    list."""
+    return _values(text, int, option, "integers")
+
+
+def _values(text: str, cast: Callable[[str], Any], option: str, what: str) -> list:
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(cast(item))
+        except ValueError:
+            raise ValueError(f"{option} takes comma-separated {what}, got {item!r} in {text!r}") from None
+    if not out:
+        raise ValueError(f"{option} takes comma-separated {what}, got none in {text!r}")
+    return out
 
 
 def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def generation_length(args: argparse.Namespace, task_default: int) -> int:
+    """``--max-new-tokens`` when given (``precheck`` refuses values below 1), else the task's own length."""
+    return task_default if args.max_new_tokens is None else args.max_new_tokens
+
+
+def _gen_source(args: argparse.Namespace) -> str:
+    """Where the answer length came from, for an error that should say which option to change."""
+    return (
+        "--max-new-tokens" if args.max_new_tokens is not None else "the task's default; see --max-new-tokens"
+    )
 
 
 def _chat_wrapper(args: argparse.Namespace, tokenizer) -> Callable[[str], str] | None:
@@ -57,21 +87,27 @@ def _ruler_setup(args: argparse.Namespace, tokenizer):
     wrap = _chat_wrapper(args, tokenizer)
     count = _encode_plain(tokenizer)
     overhead = len(tokenizer.encode(wrap("") if wrap else ""))
-    depths = floats(args.depths) if args.depths else None
+    depths = floats(args.depths, "--depths") if args.depths else None
     haystack = None if args.haystack == "ruler" else args.haystack
 
     def prepare(task: str, length: int, sample: int) -> Prepared:
-        gen = args.max_new_tokens or ruler.tokens_to_generate(task)
-        s = ruler.ruler_sample(
-            task,
-            args.seed + sample,
-            length,
-            lambda text: len(count(text)),
-            tokens_to_generate=gen,
-            overhead_tokens=overhead,
-            haystack=haystack,
-            depth=depths[sample % len(depths)] if depths else None,
-        )
+        gen = generation_length(args, ruler.tokens_to_generate(task))
+        try:
+            s = ruler.ruler_sample(
+                task,
+                args.seed + sample,
+                length,
+                lambda text: len(count(text)),
+                tokens_to_generate=gen,
+                overhead_tokens=overhead,
+                haystack=haystack,
+                depth=depths[sample % len(depths)] if depths else None,
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"RULER {task} at --lengths {length} (prompt + {gen} answer tokens, "
+                f"{_gen_source(args)}): {err}"
+            ) from None
         text = wrap(s.input) + s.answer_prefix.lstrip() if wrap else s.input + s.answer_prefix
         info = {"depths": list(s.depths), "haystack": s.haystack}
         context_end = text.index(s.input) + s.input.index(s.context) + len(s.context)
@@ -98,7 +134,7 @@ def _longbench_setup(args: argparse.Namespace, tokenizer):
         prompt = longbench.truncate_middle(longbench.build_prompt(rec), length, encode, tokenizer.decode)
         if wrap and longbench.uses_chat_template(task):
             prompt = wrap(prompt)
-        gen = args.max_new_tokens or longbench.MAX_NEW_TOKENS[task]
+        gen = generation_length(args, longbench.MAX_NEW_TOKENS[task])
         scorer = functools.partial(_longbench_score, task, rec.answers, rec.all_classes)
         info = {"id": rec.id, "data_length": rec.length}
         question = longbench.question_text(rec)
@@ -119,7 +155,7 @@ def _gsm8k_setup(args: argparse.Namespace, tokenizer):
 
     def prepare(task: str, length: int, sample: int) -> Prepared:
         rec = problems[sample]
-        gen = args.max_new_tokens or gsm8k.MAX_NEW_TOKENS
+        gen = generation_length(args, gsm8k.MAX_NEW_TOKENS)
         ids = tokenizer.encode(gsm8k.few_shot_prompt(rec.question))
         scorer = functools.partial(_gsm8k_score, rec.answer)
         return Prepared(ids, gen, [rec.answer], scorer, stop_ids=stop_ids, annotate=_gsm8k_annotate)

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from qevict_jax.core.bounds import typed_value
 from qevict_jax.core.cache import SinkRingCache, TieredCache
-from qevict_jax.core.config import CacheConfig
+from qevict_jax.core.config import CacheConfig, cache_option_rule
 from qevict_jax.core.kv import KVMethod
 from qevict_jax.core.sharding import to_host
 from qevict_jax.methods.baselines import BASELINES
@@ -59,7 +60,9 @@ def configure(method: KVMethod, budget: float | None = None, **options: Any) -> 
 
     An option is any name in ``method.options``: a field of the method itself (``n_obs`` of SnapKV) or of
     its ``CacheConfig`` (``recent``, ``window``, ``n_obs`` of QEvict, ...). A name the method lacks is a
-    ValueError listing the ones it has; a renamed one names its replacement (``RENAMED_OPTIONS``).
+    ValueError listing the ones it has; a renamed one names its replacement (``RENAMED_OPTIONS``). A value is
+    typed by its field (``bounds.typed_value``: a command-line string is parsed, ``window=1.5`` is
+    refused), so a wrong one is a ValueError naming the option, the value and the range or choices it takes.
     """
     for old in sorted(set(options) & set(RENAMED_OPTIONS)):
         raise ValueError(f"option {old!r} was renamed: use {RENAMED_OPTIONS[old]}")
@@ -69,15 +72,30 @@ def configure(method: KVMethod, budget: float | None = None, **options: Any) -> 
             f"method {method.name!r} has no option {', '.join(map(repr, unknown))}; "
             f"its options: {', '.join(sorted(method.options))}"
         )
-    own_fields = {f.name for f in dataclasses.fields(method)} - {"name", "cache", *STRUCTURE}
-    own = {k: v for k, v in options.items() if k in own_fields}
-    cfg = {k: v for k, v in options.items() if k not in own_fields}
+    structure = {"name", "cache", *STRUCTURE}
+    own_fields = {f.name: f for f in dataclasses.fields(method) if f.name not in structure}
+    cache_fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
+    own = {k: _typed(k, v, own_fields[k], "") for k, v in options.items() if k in own_fields}
+    cfg = {
+        k: _typed(k, v, cache_fields.get(k), cache_option_rule(k))
+        for k, v in options.items()
+        if k not in own_fields
+    }
     if "cache" in {f.name for f in dataclasses.fields(method)}:
         cache = method.cache
         if budget is not None:
-            cfg["budget"] = budget
+            cfg["budget"] = _typed("budget", budget, cache_fields["budget"], cache_option_rule("budget"))
         own["cache"] = dataclasses.replace(cache, **cfg)
     return dataclasses.replace(method, **own)
+
+
+def _typed(name: str, value: Any, field: dataclasses.Field | None, rule: str) -> Any:
+    """``value`` of option ``name`` typed by its dataclass ``field`` (``bounds.typed_value``); ``rule``: the
+    values it takes, in words, for the error."""
+    if field is None:
+        return value
+    annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    return typed_value(name, value, annotation, rule)
 
 
 def make_method(name: str, budget: float = 0.2, **options: Any) -> KVMethod:
