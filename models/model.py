@@ -257,16 +257,18 @@ class Transformer(nnx.Module):
         cache: Any = None,
         attend: AttendFn = uncached_attend,
         logit_index: jax.Array | None = None,
-        token_chunk: int = TOKEN_CHUNK,
+        token_chunk: int | None = None,
     ) -> tuple[jax.Array, Any]:
         """Forward pass.
 
         tokens, positions: [B, T] int32. cache: pytree with leading [L] axis on every array, or None.
         logit_index: [B] int32, when given only the logits at ``tokens[b, logit_index[b]]`` are computed.
-        token_chunk: tokens per chunk of the position-wise parts of each layer (``_layer``).
+        token_chunk: tokens per chunk of the position-wise parts of each layer (``_layer``); None: the module's
+        ``TOKEN_CHUNK`` when traced (a bench may set it).
         Returns (logits [B, T, V] float32, or [B, V] with logit_index; the updated cache).
         """
         cfg = self.cfg
+        token_chunk = token_chunk or TOKEN_CHUNK
         x = self.embed[...][tokens]
         inv_freq = jnp.asarray(cfg.inv_freq(), jnp.float32)
         stacked = self.layers.stacked()
