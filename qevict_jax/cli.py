@@ -215,6 +215,8 @@ def cmd_generate(args) -> int:
         "method": method.name,
         "budget": _budget(method),
         "compressed": res.compressed,
+        "budget_used": res.method.budget if res.compressed else None,  # the least β where `budget` cannot
+        "note": res.note,
         "memory_ratio": res.memory_ratio,
         "cache_bytes": res.cache_bytes,
         "full_kv_bytes": res.full_kv_bytes,
@@ -239,6 +241,8 @@ def cmd_generate(args) -> int:
                 "tokens uncompressed, so nothing was compressed",
                 file=sys.stderr,
             )
+        if res.note is not None:
+            print(f"note: {res.note}", file=sys.stderr)
         if not args.stream:
             print(out)
         print(

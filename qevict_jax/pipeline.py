@@ -4,7 +4,8 @@ holds the model and its tokenizer.
     pipe = qevict_jax.load("smollm2-135m-instruct")
     reply = pipe.generate("What is a KV cache?", method="qevict:0.2,n_obs=64", max_new_tokens=64)
     chat = pipe.chat(method="qevict", budget=0.2)
-    chat.send("Hello!"); chat.send("And what did I just say?")   # each turn appended to the compressed cache
+    chat.send("Hello!"); chat.send("And what did I just say?")   # each turn appended to the one cache
+    # kept whole while too short to gain; compressed (reply.compressed_turn) at the first turn that gains
 
 A method is a ``KVMethod`` object, a registry name, or a spec string ``"name[:budget][,option=value...]"``
 (``"qevict:0.2,n_obs=64"``, ``"snapkv:0.1"``, ``"full"``); ``budget=`` and keyword options apply to a name or
@@ -14,6 +15,7 @@ spec (a spec's own values win). Everything runs through ``qevict_jax.runtime.gen
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,11 +78,14 @@ class Reply:
 
     text: str
     prompt_tokens: int
-    compressed: bool  # False: the input was too short to gain from compression and was kept whole
+    compressed: bool  # False: the sequence is still too short to gain from compression and is kept whole
     memory_ratio: float  # cache bytes / bytes of the uncompressed 16-bit cache at the final length
     ttft_s: float
     decode_tokens_per_s: float
     result: GenerationResult
+    compressed_turn: int | None = None  # the turn (1: the first) whose sequence was compressed; None: not yet
+    compressed_at: int | None = None  # tokens of the sequence when it was compressed; None: not yet
+    note: str | None = None  # one line when the method ran at another β than asked (also a UserWarning)
 
     @property
     def method(self) -> str:
@@ -110,15 +115,23 @@ class Pipeline:
         eos = tuple(sorted(set(self.model.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         return SamplerConfig(max_new_tokens, temperature, top_p, eos)
 
-    def reply(self, result: GenerationResult) -> Reply:
+    def reply(self, result: GenerationResult, *, compressed_turn: int | None = None) -> Reply:
+        """Row 0 of ``result``; ``compressed_turn``: the turn compression started at (a conversation's), by
+        default the first when ``result`` is compressed. A ``note`` is also issued as a UserWarning."""
+        if result.note is not None:
+            warnings.warn(result.note, UserWarning, stacklevel=3)
+        compressed = result.compressed
         return Reply(
             text=self.tokenizer.decode(result.tokens[0]),
             prompt_tokens=result.prompt_lengths[0],
-            compressed=result.compressed,
+            compressed=compressed,
             memory_ratio=result.memory_ratio,
             ttft_s=result.ttft_s,
             decode_tokens_per_s=result.decode_tokens_per_s,
             result=result,
+            compressed_turn=(compressed_turn or 1) if compressed else None,
+            compressed_at=result.compressed_at[0] if compressed and result.compressed_at else None,
+            note=result.note,
         )
 
     def generate(
@@ -167,7 +180,8 @@ class Pipeline:
         seed: int = 0,
         **options: Any,
     ) -> Conversation:
-        """A conversation whose turns are appended to one compressed cache (``Conversation.send``)."""
+        """A conversation whose turns are appended to one cache (``Conversation.send``), kept whole while the
+        conversation is too short for ``method`` to gain and compressed from the first turn where it gains."""
         kv_method = resolve_method(method, budget, **options)
         return Conversation(self, kv_method, self.sampler(max_new_tokens, temperature, top_p), seed)
 
@@ -176,7 +190,12 @@ class Pipeline:
 class Conversation:
     """Turns appended to one cache: the first ``send`` prefills the templated message, every later one
     appends only the new turn's tokens (``generate(..., past=...)``), so the cache is continued, not rebuilt.
-    ``messages`` is the transcript."""
+
+    While the conversation is too short for ``method`` to save bytes (its smallest cache, or a
+    ``budget_bytes`` larger than the uncompressed conversation) the cache is Full-KV; the first turn where
+    the method gains compresses the whole conversation so far as a prefill of it would (``generate``'s
+    ``past``) and ``compressed_turn`` records that turn. From then on the cache keeps that size: β of the
+    conversation at that turn, or ``budget_bytes``. ``messages`` is the transcript."""
 
     pipeline: Pipeline
     method: KVMethod
@@ -184,6 +203,7 @@ class Conversation:
     seed: int = 0
     messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
     last: GenerationResult | None = None
+    compressed_turn: int | None = None  # the turn (1: the first) whose sequence was compressed
 
     def send(self, text: str, *, stream: Callable[[str], object] | None = None) -> Reply:
         """Append a user turn, generate the answer, return it (also appended to ``messages``); ``stream``
@@ -202,6 +222,7 @@ class Conversation:
                 seed=self.seed,
                 kv_dtype=pipe.kv_dtype,
                 on_token=pipe.text_stream(stream),
+                growing=True,
             )
         else:
             result = generate(
@@ -212,7 +233,9 @@ class Conversation:
                 past=self.last,
                 on_token=pipe.text_stream(stream),
             )
-        reply = pipe.reply(result)
+        if result.compressed and self.compressed_turn is None:
+            self.compressed_turn = len(self.messages) // 2 + 1
+        reply = pipe.reply(result, compressed_turn=self.compressed_turn)
         self.messages = [*turn, {"role": "assistant", "content": reply.text}]
         self.last = result
         return reply

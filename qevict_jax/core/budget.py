@@ -13,13 +13,12 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
-import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, num_windows, ring_capacity
-from qevict_jax.core.kv import CacheRequest, full_kv_bytes
+from qevict_jax.core.kv import CacheRequest, cache_nbytes, full_kv_bytes
 
 
 def sized(cache_cfg: CacheConfig, *, window: int | None = None, **sizes: Any) -> Capacities:
@@ -38,8 +37,7 @@ def resolve_recent(cfg: CacheConfig, budget_tokens_capacity: float) -> int:
 
 
 def _cache_bytes(caps: Capacities, model_cfg: ModelConfig, batch: int, dtype: Any) -> int:
-    leaves = jax.tree.leaves(abstract_cache(caps, model_cfg, batch, dtype))
-    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves))
+    return cache_nbytes(abstract_cache(caps, model_cfg, batch, dtype))
 
 
 def solve_capacities(

@@ -209,6 +209,13 @@ class SizedByCapacities:
         """β of a budgeted method (``cache.budget``); None for one that keeps what it keeps (KIVI)."""
         return float(self.cache.budget) if self.uses_budget else None
 
+    def at_budget(self, beta: float) -> Any:
+        """This method at β = ``beta``; None where its size is no β (KIVI keeps what it keeps; a fixed
+        ``budget_bytes`` overrides β)."""
+        if not self.uses_budget or self.cache.budget_bytes is not None:
+            return None
+        return dataclasses.replace(self, cache=dataclasses.replace(self.cache, budget=beta))
+
     def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> TieredCache | PoolCache:
         """Empty stacked cache sized by ``capacities(request)``; ``prompt_lengths`` [B] int32."""
         chex.assert_shape(prompt_lengths, (request.batch,))

@@ -15,6 +15,9 @@ A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) w
   conversation), or a clear error when the method cannot grow.
 - ``uncompressed()``: the method that runs instead when compressing a prompt saves nothing (Full-KV,
   ``qevict_jax.methods.full``; Full-KV is its own).
+- ``at_budget(beta)``: the same method at β = ``beta`` (a prompt whose β cannot hold the method's smallest
+  cache is compressed at the least β that can), or None where the size is not a β (Full-KV, a fixed
+  ``budget_bytes``).
 
 The runtime sees methods only through this protocol: it never names a concrete method, Full-KV included.
 """
@@ -22,6 +25,7 @@ The runtime sees methods only through this protocol: it never names a concrete m
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import jax
@@ -86,6 +90,8 @@ class KVMethod(Protocol):
 
     def uncompressed(self) -> KVMethod: ...
 
+    def at_budget(self, beta: float) -> KVMethod | None: ...
+
 
 DEFAULT_KV_DTYPE = jnp.bfloat16
 """The KV cache is stored in a 16-bit dtype whatever the compute dtype (docs/design.md §3), as deployments do."""
@@ -97,8 +103,9 @@ def full_kv_bytes(model_cfg: ModelConfig, num_tokens: int, dtype: Any, batch: in
 
 
 def cache_nbytes(cache: Any) -> int:
-    """Measured size of a cache: the sum of ``nbytes`` over every array in the pytree, metadata included."""
-    return int(sum(leaf.nbytes for leaf in jax.tree.leaves(cache)))
+    """Measured size of a cache: the bytes of every array in the pytree, metadata included; an abstract cache
+    (``jax.ShapeDtypeStruct`` leaves, ``jax.eval_shape``) counts what it would allocate."""
+    return int(sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(cache)))
 
 
 def to_words(x: jax.Array, dtype: Any) -> jax.Array:

@@ -90,6 +90,7 @@ def check_feasible(
                     max_new_tokens=p.max_new_tokens,
                     budget_rounding="bucket",
                     kv_dtype=kv_dtype,
+                    least_beta=False,  # a cell runs at the β it is labelled with, or not at all
                 )
             except ValueError as err:
                 problems.append(f"{name} (β={budget}) at a {n}-token prompt: {err}")

@@ -44,6 +44,9 @@ class FullKV:
     def uncompressed(self) -> FullKV:
         return self
 
+    def at_budget(self, beta: float) -> None:
+        return None  # keeps every token: no β applies
+
     def route(self, cache: FullCache, inv_freq: jax.Array, due: jax.Array | None = None) -> FullCache:
         return cache
 

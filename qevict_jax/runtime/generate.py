@@ -52,6 +52,7 @@ def generate(
     kv_dtype: Any = DEFAULT_KV_DTYPE,
     mesh: Mesh | None = None,
     on_token: TokenSink | None = None,
+    growing: bool = False,
 ) -> GenerationResult:
     """Generate for a batch of token prompts of different lengths.
 
@@ -63,13 +64,22 @@ def generate(
     question is then appended to the compressed cache (``_append``: each token attends over the tiers and
     adds its mass to the scores, then a routing event) before decoding.
     past: continue a conversation: ``prompts`` are the next turn of each row, appended (after the pending
-    token of ``past``) to ``past.cache`` the same way; the method defaults to ``past.method``.
+    token of ``past``) to ``past.cache`` the same way; the method defaults to ``past.method``. A conversation
+    kept whole so far (``past.compressed`` False: too short for the method asked for) switches to that method
+    at the first turn where it saves bytes (``prefill.fit_method`` with ``growing``, on the whole sequence):
+    that turn prefills ``past.history`` + the turn through the method, exactly as ``generate`` on that
+    sequence would, and every later turn is appended to the compressed cache. β is then a fraction of the
+    sequence at that turn and the cache keeps that size as the conversation grows; a ``budget_bytes`` method
+    switches once the uncompressed sequence outgrows it, and keeps that size.
+    growing: the first turn of a conversation (``pipeline.Conversation``): as at a later turn, the method
+    runs only where its cache is smaller than the uncompressed sequence (``prefill.fit_method``).
     kv_dtype: storage dtype of the KV cache (bfloat16 by default); Full-KV's reference bytes use it too.
     mesh: run on this device mesh (``sharding.make_mesh``): batch over "data", KV heads, the tiers and the
     attention/MLP weights over "model" (``qevict_jax.core.sharding``); the batch must divide by the "data" axis.
     on_token: stream the output: called on the host with each position's tokens [B] and live [B] as they
     are sampled (``qevict_jax.runtime.streaming``), the first from the prompt pass, then one per decode step.
     """
+    follows = past is not None and (method is None or method == past.requested_method)
     if past is not None and method is not None and method == past.requested_method:
         method = past.method  # the method that built the cache (Full-KV where nothing was compressed)
     method = method or (past.method if past is not None else None)
@@ -90,6 +100,7 @@ def generate(
             kv_dtype=kv_dtype,
             mesh=mesh,
             on_token=on_token,
+            growing=growing,
         )[0]
     if question_starts is not None:
         raise ValueError("question_starts and past exclude each other: a new turn is appended whole")
@@ -97,6 +108,25 @@ def generate(
         raise ValueError(f"past has {len(past.pending)} rows, got {len(prompts)} prompts")
     check_prompts(prompts, model.cfg, sampler, offsets=[n + 1 for n in past.next_positions])
     check_batch(len(prompts), mesh)
+    requested = past.requested_method
+    if follows and not past.compressed and requested is not None and requested.compresses:
+        sequences = [[*h, *p] for h, p in zip(past.history, prompts, strict=True)]
+        fit = fit_method(
+            requested,
+            model_cfg=model.cfg,
+            lengths=np.array([len(s) for s in sequences], np.int32),
+            max_new_tokens=sampler.max_new_tokens,
+            budget_rounding=budget_rounding,
+            kv_dtype=past.kv_dtype,
+            growing=True,
+        )
+        if fit.compressed:  # the first turn where the method saves bytes: compress all of it, as a prefill
+            result = generate_shared(
+                model, sequences, sampler, [requested], seed=seed, budget_rounding=budget_rounding,
+                kv_dtype=past.kv_dtype, mesh=mesh, on_token=on_token, growing=True,
+            )[0]  # fmt: skip
+            result.prompt_lengths = [len(p) for p in prompts]  # this turn's tokens, as at any later turn
+            return result
     turns = [[pending, *p] for pending, p in zip(past.pending, prompts, strict=True)]
     start = np.asarray(past.next_positions, np.int32)
     need = int(max(start + np.array([len(t) for t in turns]))) + sampler.max_new_tokens
@@ -115,8 +145,10 @@ def generate(
         prefill_s=0.0,  # no prompt pass: the time to first token is the append's
         mesh=mesh,
         on_token=on_token,
+        before=past.history,
     )
     result.requested_method = past.requested_method or method
+    result.compressed_at = past.compressed_at if result.compressed else None
     return result
 
 
@@ -132,14 +164,17 @@ def generate_shared(
     kv_dtype: Any = DEFAULT_KV_DTYPE,
     mesh: Mesh | None = None,
     on_token: TokenSink | None = None,
+    growing: bool = False,
 ) -> list[GenerationResult]:
     """``generate`` with several methods on the same prompts, from one prompt pass (``Fanout``): one
     result per method, as ``generate`` would return them.
 
     With several methods, each result's ``ttft_s`` includes the one shared prefill, not a per-method one.
     A method that could save nothing on these prompts (``prefill.fit_method``: its sinks and recent region
-    already hold them) runs as Full-KV, and its result says ``compressed=False``. ``on_token`` (``generate``'s)
-    streams one method's output, so it needs exactly one method.
+    already hold them) runs as Full-KV, and its result says ``compressed=False``; one whose β cannot hold its
+    smallest cache for prompts long enough to compress runs at the least β that can, and its result's
+    ``note`` says so. ``on_token`` (``generate``'s) streams one method's output, so it needs exactly one
+    method; ``growing`` as in ``generate``.
     """
     if on_token is not None and len(methods) != 1:
         raise ValueError(f"streaming follows one method's output; got {len(methods)} methods")
@@ -154,6 +189,7 @@ def generate_shared(
             max_new_tokens=sampler.max_new_tokens,
             budget_rounding=budget_rounding,
             kv_dtype=kv_dtype,
+            growing=growing,
         )
         for m in methods
     ]
@@ -211,6 +247,8 @@ def generate_shared(
             )
             results[i].compile_s += compile_s
             results[i].compressed = fits[i].compressed
+            results[i].compressed_at = lengths.tolist() if fits[i].compressed else None
+            results[i].note = fits[i].note
             results[i].requested_method = requested[i]
     return results  # type: ignore[return-value]
 
@@ -291,10 +329,13 @@ def _continue(
     prefill_s: float,
     mesh: Mesh | None = None,
     on_token: TokenSink | None = None,
+    before: Sequence[Sequence[int]] | None = None,
 ) -> GenerationResult:
     """Append ``turns`` (if any) at positions ``start`` [B], then decode from ``first`` (the prefill's token;
     None when ``turns`` are appended, whose last logits give it). ``ttft_s`` = ``prefill_s`` + the append, compilation excluded. With
-    ``on_token`` the first token goes to it from the host, the rest from inside the decode loop."""
+    ``on_token`` the first token goes to it from the host, the rest from inside the decode loop. ``before``:
+    each row's tokens ahead of ``prompts`` in the cache (a continued conversation's history), for the
+    result's ``history``."""
     graphdef, state = _split(model, mesh)
     compile_s = 0.0
     t0 = time.perf_counter()
@@ -345,6 +386,10 @@ def _continue(
         method=method,
         next_positions=(positions + steps).tolist(),
         pending=out[:, steps].tolist(),
+        history=[
+            [*(before[i] if before is not None else ()), *map(int, prompts[i]), *out[i, : steps + 1].tolist()]
+            for i in range(len(prompts))
+        ],
         kv_dtype=kv_dtype,
         compressed=method.compresses,
         requested_method=method,

@@ -7,6 +7,7 @@ tokens to a compressed cache (``append_jit``: a question after the context, a ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -18,7 +19,7 @@ from flax import nnx
 from models.attention import prompt_attention
 from models.model import Transformer
 from qevict_jax.core.budget import BudgetTooSmallError
-from qevict_jax.core.kv import CacheRequest, KVMethod, full_kv_bytes
+from qevict_jax.core.kv import CacheRequest, KVMethod, cache_nbytes, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context
 from qevict_jax.runtime.compiled import bucket_floor, bucket_length
 from qevict_jax.runtime.sampling import SamplerConfig, sample
@@ -102,11 +103,13 @@ def planned_cache(
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-    """What runs for a batch of prompts: ``method`` (the one asked for, or Full-KV when compressing this
-    batch could save nothing) and whether the cache it builds is compressed."""
+    """What runs for a batch of prompts: ``method`` (the one asked for; the same method at the least β that
+    holds its smallest cache; or Full-KV when compressing this batch could save nothing), whether the cache
+    it builds is compressed, and ``note``: one line saying why the β changed (None when it did not)."""
 
     method: KVMethod
     compressed: bool
+    note: str | None = None
 
 
 def fit_method(
@@ -117,34 +120,73 @@ def fit_method(
     max_new_tokens: int,
     budget_rounding: str,
     kv_dtype: Any,
+    least_beta: bool = True,
+    growing: bool = False,
 ) -> Fit:
     """The method to run for prompts of ``lengths`` [B] (right-padded to their bucket), before any compute.
 
     A budgeted method keeps sinks and a recent region uncompressed and needs room for one unit of history
     beside them. When that smallest cache is at least as large as the uncompressed cache of the longest row
     (prompt + ``max_new_tokens``), compression has nothing to save, and when only a β above 1 could hold it,
-    no budget can: in both cases everything is kept, by Full-KV (``compressed`` False). When the sequence is long enough to compress but the budget cannot hold that
-    smallest cache, a ValueError says so in terms of the prompt, the budget and what to change. Sizing is
-    checked on the abstract cache (``jax.eval_shape``), so any other sizing error surfaces here too.
+    no budget can: in both cases everything is kept, by Full-KV (``compressed`` False).
+
+    When the sequence is long enough to compress but β cannot hold that smallest cache, the method runs at the
+    least β that can (``least_beta``, what ``generate`` does; ``note`` names both β), or, with ``least_beta``
+    False (an evaluation, whose cells must run at the β they are labelled with), a ValueError says so in terms
+    of the prompt, the budget and what to change. A fixed ``budget_bytes`` too small for the smallest cache is
+    always that ValueError: a size given in bytes is not raised behind the caller's back.
+
+    ``growing``: the sequence is a conversation that will grow; it is compressed only once the method's cache
+    is smaller than the uncompressed sequence, so that a fixed ``budget_bytes`` larger than the conversation
+    so far is reached before it is used (at a β below 1 the cache is always smaller, so this changes nothing).
+    Sizing is checked on the abstract cache (``jax.eval_shape``), so any other sizing error surfaces here too.
     """
     lengths = np.asarray(lengths, np.int32)
+    plan = functools.partial(
+        planned_cache, model_cfg=model_cfg, lengths=lengths, max_new_tokens=max_new_tokens,
+        budget_rounding=budget_rounding, kv_dtype=kv_dtype,
+    )  # fmt: skip
+    whole = full_kv_bytes(model_cfg, int(lengths.max()) + max_new_tokens, kv_dtype, len(lengths))
     try:
-        planned_cache(method, model_cfg=model_cfg, lengths=lengths, max_new_tokens=max_new_tokens,
-                      budget_rounding=budget_rounding, kv_dtype=kv_dtype)  # fmt: skip
+        planned = plan(method)
     except BudgetTooSmallError as err:
-        whole = full_kv_bytes(model_cfg, int(lengths.max()) + max_new_tokens, kv_dtype, len(lengths))
         if err.min_bytes >= whole or err.min_beta > 1:  # no beta in (0, 1] could compress it
             return Fit(method.uncompressed(), False)
-        shrink = (
-            " shrink the recent region (option recent, e.g. recent=32)," if "recent" in method.options else ""
-        )
-        raise ValueError(
-            f"{method.name} at β={method.budget:g} cannot compress prompts of {int(lengths.min())} tokens "
-            f"(+ {max_new_tokens} new): β={method.budget:g} of their uncompressed {err.full_bytes} bytes is "
-            f"{err.budget_bytes} bytes, and its smallest cache ({err.holds}) needs {err.min_bytes}; raise the "
-            f"budget to β >= {err.min_beta:.4f},{shrink} or use the method full"
-        ) from err
+        raised = method.at_budget(err.min_beta) if least_beta else None
+        if raised is not None:
+            plan(raised)  # the least β holds the smallest cache by construction: any error here is a bug
+            n = int(lengths.min())
+            prompt = f"a {n}-token prompt" if len(lengths) == 1 else f"prompts of {n} tokens and more"
+            note = (
+                f"{method.name} at β={method.budget:g} cannot hold its smallest cache ({err.holds}) for "
+                f"{prompt} + {max_new_tokens} new tokens: compressed at β={err.min_beta:g}, the least that "
+                "holds it"
+            )
+            return Fit(raised, True, note)
+        raise ValueError(_too_small(method, err, int(lengths.min()), max_new_tokens, len(lengths))) from err
+    if growing and method.compresses and cache_nbytes(planned) >= whole:
+        return Fit(method.uncompressed(), False)
     return Fit(method, method.compresses)
+
+
+def _too_small(method: KVMethod, err: BudgetTooSmallError, tokens: int, new: int, batch: int) -> str:
+    """Why ``method``'s budget cannot compress prompts of ``tokens`` (+ ``new``) tokens; what to change."""
+    shrink = ""
+    if "recent" in method.options:
+        shrink = " shrink the recent region (option recent, e.g. recent=32),"
+    if method.at_budget(err.min_beta) is None:  # a size in bytes
+        return (
+            f"{method.name} with budget_bytes={err.budget_bytes // batch} cannot compress prompts of "
+            f"{tokens} tokens (+ {new} new): its smallest cache ({err.holds}) needs "
+            f"{-(-err.min_bytes // batch)} bytes per row; raise budget_bytes to at least that,{shrink} or "
+            "use the method full"
+        )
+    return (
+        f"{method.name} at β={method.budget:g} cannot compress prompts of {tokens} tokens "
+        f"(+ {new} new): β={method.budget:g} of their uncompressed {err.full_bytes} bytes is "
+        f"{err.budget_bytes} bytes, and its smallest cache ({err.holds}) needs {err.min_bytes}; raise the "
+        f"budget to β >= {err.min_beta:.4f},{shrink} or use the method full"
+    )
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,9 @@ class GenerationResult:
 
     ``generate(..., past=result)`` continues the conversation: ``next_positions`` [B] are the tokens each
     row's cache holds and ``pending`` [B] the last sampled token of each row, not yet in the cache (a row
-    that hit EOS before the others has been fed EOS while they finished).
+    that hit EOS before the others has been fed EOS while they finished). ``history`` [B] holds those tokens
+    themselves (``next_positions[b] + 1`` per row, pending last): a conversation still kept whole is
+    compressed from them at the turn where the method first saves bytes (``generate``'s ``past``).
     """
 
     tokens: list[list[int]]
@@ -34,6 +36,9 @@ class GenerationResult:
     kv_dtype: Any = DEFAULT_KV_DTYPE
     compressed: bool = False  # the cache compresses (False: every token kept, e.g. a prompt too short to gain)
     requested_method: Any = None  # the method asked for (``method`` is Full-KV when it had nothing to save)
+    history: list[list[int]] = dataclasses.field(default_factory=list)  # per row: cache tokens + pending
+    compressed_at: list[int] | None = None  # per row: the sequence's tokens when compressed (None: not yet)
+    note: str | None = None  # one line when the method ran at another β than asked (``prefill.fit_method``)
 
     @property
     def new_tokens(self) -> int:
