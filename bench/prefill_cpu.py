@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -117,7 +118,12 @@ def compare_logits(folder: Path, model) -> None:
     )
     tokens = jnp.asarray([tok.encode(text)], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    forward = lambda m: np.asarray(jax.jit(lambda t, p: m(t, p)[0])(tokens, positions)[0], np.float32)
+
+    def forward(m) -> np.ndarray:  # the weights enter the program as an argument, not as constants
+        graphdef, state = nnx.split(m)
+        run = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p)[0])
+        return np.asarray(run(state, tokens, positions)[0], np.float32)
+
     got, want = forward(model), forward(ref_model)
     diff = np.abs(got - want)
     top1 = float(np.mean(got.argmax(-1) == want.argmax(-1)))
