@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flax import nnx  # noqa: E402
 from kernel_gpu import SMALL, Setup, bench_table, check_kernels, copy_bandwidth, every_format_cases  # noqa: E402
-from throughput import device_peak, program_peak, prompts_for, release  # noqa: E402
+from throughput import LLAMA31_8B, device_peak, program_peak, prompts_for, release  # noqa: E402
 
 from models.config import ModelConfig  # noqa: E402
 from models.model import Transformer  # noqa: E402
@@ -57,23 +57,9 @@ from qevict_jax.runtime.sampling import SamplerConfig  # noqa: E402
 
 STEPS = ("checks", "copy", "kernels", "e2e")
 
-LLAMA31_8B = ModelConfig(
-    family="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    rope_llama3=(8.0, 1.0, 4.0, 8192),
-    max_position_embeddings=131072,
-)
-
-TINY_LLAMA = ModelConfig(
-    family="llama",
+# the dry run's model: a 2-layer Llama of the same family and layout (grouped heads, Llama-3 RoPE off)
+TINY_LLAMA = dataclasses.replace(
+    LLAMA31_8B,
     vocab_size=512,
     hidden_size=128,
     intermediate_size=256,
@@ -82,7 +68,7 @@ TINY_LLAMA = ModelConfig(
     num_kv_heads=2,
     head_dim=32,
     rope_theta=10000.0,
-    rms_norm_eps=1e-5,
+    rope_llama3=None,
     max_position_embeddings=4096,
 )
 
