@@ -30,8 +30,9 @@ from pallas_kernels.formats import (
 )
 from pallas_kernels.ledger_attention import ledger_attention
 from pallas_kernels.quant import pack_tokens, unpack_tokens
-from pallas_kernels.reference import QuantTier, ledger_partial
+from pallas_kernels.reference import ledger_partial
 from pallas_kernels.splitk import Launch
+from pallas_kernels.tiers import QuantTier
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
 from qevict_jax.methods.full import FullKV
