@@ -15,6 +15,10 @@ A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) w
   conversation), or a clear error when the method cannot grow.
 - ``uncompressed()``: the method that runs instead when compressing a prompt saves nothing (Full-KV,
   ``qevict_jax.methods.full``; Full-KV is its own).
+- ``weights(model_cfg)``: the method's learned parameters for a model as host arrays (a pytree; None for a
+  method without any), read once on the host; the runtime passes them into every program as an argument,
+  which the attend fns read from ``LayerContext.weights``: new parameters of the same shapes reuse the
+  compiled programs.
 
 The runtime sees methods only through this protocol: it never names a concrete method, Full-KV included.
 """
@@ -85,6 +89,8 @@ class KVMethod(Protocol):
     def reserve(self, cache: Any, total_tokens: int) -> Any: ...
 
     def uncompressed(self) -> KVMethod: ...
+
+    def weights(self, model_cfg: ModelConfig) -> Any: ...
 
 
 DEFAULT_KV_DTYPE = jnp.bfloat16

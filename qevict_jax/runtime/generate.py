@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod, cache_nbytes, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state, to_host
@@ -176,6 +177,7 @@ def generate_shared(
     for members, prefill_method, budget_tokens in groups:
         t0 = time.perf_counter()
         static, inputs = _prefill_call(
+            model_cfg=model.cfg,
             graphdef=graphdef,
             state=state,
             tokens=tokens,
@@ -217,6 +219,7 @@ def generate_shared(
 
 def _prefill_call(
     *,
+    model_cfg: ModelConfig,
     graphdef,
     state,
     tokens: np.ndarray,
@@ -242,7 +245,13 @@ def _prefill_call(
     )
     key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
     inputs = dict(state=state, tokens=place_rows(tokens, mesh), lengths=place_rows(lengths, mesh), rng=key)
-    return static, inputs
+    return static, inputs | {"weights": method_weights(method, model_cfg, mesh)}
+
+
+def method_weights(method: KVMethod, model_cfg: ModelConfig, mesh: Mesh | None) -> Any:
+    """The method's learned parameters (``KVMethod.weights``, None without any) on the device(s), replicated
+    over a mesh: an argument of every program, so that other parameters of the same shapes reuse them."""
+    return jax.tree.map(lambda a: place_replicated(a, mesh), method.weights(model_cfg))
 
 
 def lower_prefill(
@@ -261,6 +270,7 @@ def lower_prefill(
     budget_tokens = tokens_for_budget(method, lengths, sampler.max_new_tokens, budget_rounding)
     graphdef, state = nnx.split(model)
     static, inputs = _prefill_call(
+        model_cfg=model.cfg,
         graphdef=graphdef,
         state=state,
         tokens=tokens,
@@ -296,6 +306,7 @@ def _continue(
     None when ``turns`` are appended, whose last logits give it). ``ttft_s`` = ``prefill_s`` + the append, compilation excluded. With
     ``on_token`` the first token goes to it from the host, the rest from inside the decode loop."""
     graphdef, state = _split(model, mesh)
+    weights = method_weights(method, model.cfg, mesh)
     compile_s = 0.0
     t0 = time.perf_counter()
     _, k_append, k_decode = jax.random.split(jax.random.key(seed), 3)
@@ -311,6 +322,7 @@ def _continue(
             start=place_rows(positions, mesh),
             count=place_rows(counts, mesh),
             rng=place_replicated(k_append, mesh),
+            weights=weights,
         )
         compile_s += c
         positions = positions + counts
@@ -328,6 +340,7 @@ def _continue(
             lengths=place_rows(positions, mesh),
             rng=place_replicated(k_decode, mesh),
             stream_id=None if stream_id is None else place_replicated(stream_id, mesh),
+            weights=weights,
         )
         out = to_host(out)  # every process gets every row (a collective across the processes of a mesh)
     t2 = time.perf_counter()
@@ -385,6 +398,7 @@ def teacher_forced(
         tokens=jnp.asarray(tokens),
         lengths=jnp.asarray(lengths),
         targets=jnp.asarray(targets),
+        weights=method_weights(method, model.cfg, None),
     )
     final_tokens = int(lengths.sum()) + len(prompts) * (targets.shape[1] - 1)
     return TeacherForcedResult(

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import prompt_attention
+from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.core.budget import BudgetTooSmallError
 from qevict_jax.core.kv import CacheRequest, KVMethod, full_kv_bytes
@@ -169,11 +170,13 @@ def prefill_logits(
     budget_tokens: int,
     kv_dtype,
     mesh: Mesh | None = None,
+    weights: Any = None,
 ):
     """tokens [B, P] right-padded, lengths [B] -> (logits at each row's last prompt token [B, V], cache).
 
     The cache is sized for ``max_new_tokens`` more tokens per row and stores K/V in ``kv_dtype``; on a
     ``mesh`` it is constrained to its sharding (``sharding.cache_shardings``) before and after the layer scan.
+    ``weights``: the method's learned parameters (``KVMethod.weights``), traced.
     """
     b, p = tokens.shape
     request = CacheRequest(
@@ -183,7 +186,9 @@ def prefill_logits(
     cache = method.init_cache(request, lengths)
     cache = constrain_cache(cache, mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, cache = model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
+    logits, cache = model(
+        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights
+    )
     return logits, constrain_cache(cache, mesh)
 
 
@@ -199,8 +204,10 @@ def _prefill(
     capacity_new: int,
     kv_dtype,
     mesh: Mesh | None = None,
+    weights: Any = None,
 ):
-    """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache with room for ``capacity_new``)."""
+    """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache with room for ``capacity_new``);
+    ``weights``: the method's learned parameters (``KVMethod.weights``)."""
     model: Transformer = nnx.merge(graphdef, state)
     logits, cache = prefill_logits(
         model,
@@ -211,6 +218,7 @@ def _prefill(
         budget_tokens=budget_tokens,
         kv_dtype=kv_dtype,
         mesh=mesh,
+        weights=weights,
     )
     return sample(logits, rng, sampler), cache
 
@@ -235,6 +243,7 @@ def _append(
     method: KVMethod,
     sampler: SamplerConfig,
     mesh: Mesh | None = None,
+    weights: Any = None,
 ):
     """Append a chunk of tokens to a (compressed) cache, then run one routing event (docs/design.md §6).
 
@@ -242,6 +251,7 @@ def _append(
     ``start[b] + 1``, ... through the method's decode attention (each attends over the cache's tiers and
     adds its attention mass to the window scores, exactly as a decode step). Then ``method.route`` runs a
     routing event, so windows the new tokens need are promoted before decoding.
+    ``weights``: the method's learned parameters (``KVMethod.weights``).
     Returns (next token [B] sampled from the logits at each row's last token, cache).
     """
     model: Transformer = nnx.merge(graphdef, state)
@@ -252,7 +262,9 @@ def _append(
         cache, last = carry
         token, i = xs
         active = i < count
-        logits, new = model(token[:, None], (start + i)[:, None], cache, attend=method.decode_attend)
+        logits, new = model(
+            token[:, None], (start + i)[:, None], cache, attend=method.decode_attend, weights=weights
+        )
         new = method.decode_route(new, inv_freq)
         new = jax.lax.cond(jnp.all(active), lambda: new, lambda: _select_rows(active, new, cache))
         return (constrain_cache(new, mesh), jnp.where(active[:, None], logits[:, 0], last)), None
@@ -296,8 +308,13 @@ class Fanout:
             for m, bt in zip(self.methods, request.budget_tokens, strict=True)
         )
 
+    def weights(self, model_cfg: ModelConfig) -> tuple[Any, ...]:
+        """Every member's learned parameters (``KVMethod.weights``), in order."""
+        return tuple(m.weights(model_cfg) for m in self.methods)
+
     def prefill_attend(self, q, k, v, caches, ctx):
-        """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression."""
+        """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression
+        (each with its own ``weights``)."""
         lengths = caches[0].length
         att = prompt_attention(
             q,
@@ -309,8 +326,11 @@ class Fanout:
             chunk=self.chunk,
         )
         ctx = dataclasses.replace(ctx, prompt_attention=att)
+        weights = ctx.weights if ctx.weights is not None else (None,) * len(self.methods)
         pairs = [
-            (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(q, k, v, c, ctx)
-            for m, c in zip(self.methods, caches, strict=True)
+            (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(
+                q, k, v, c, dataclasses.replace(ctx, weights=w)
+            )
+            for m, c, w in zip(self.methods, caches, weights, strict=True)
         ]
         return pairs[0][0], tuple(c for _, c in pairs)
