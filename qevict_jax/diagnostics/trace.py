@@ -40,7 +40,7 @@ from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.rankings.attention_scores import observation_mass
 from qevict_jax.rankings.scoring import Ranking
 from qevict_jax.runtime.compiled import EXECUTABLES
-from qevict_jax.runtime.generate import method_weights
+from qevict_jax.runtime.prefill import method_weights
 
 # ---------------------------------------------------------------------------------------------- reference
 

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod, cache_nbytes, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, check_batch, place_replicated, place_rows, shard_state, to_host
@@ -30,7 +29,9 @@ from qevict_jax.runtime.prefill import (
     append_jit,
     check_prompts,
     fit_method,
+    method_weights,
     pad_prompts,
+    prefill_call,
     prefill_jit,
     split_questions,
     tokens_for_budget,
@@ -176,7 +177,7 @@ def generate_shared(
         groups = [(list(range(len(methods))), Fanout(tuple(methods)), budgets)]
     for members, prefill_method, budget_tokens in groups:
         t0 = time.perf_counter()
-        static, inputs = _prefill_call(
+        static, inputs = prefill_call(
             model_cfg=model.cfg,
             graphdef=graphdef,
             state=state,
@@ -217,43 +218,6 @@ def generate_shared(
     return results  # type: ignore[return-value]
 
 
-def _prefill_call(
-    *,
-    model_cfg: ModelConfig,
-    graphdef,
-    state,
-    tokens: np.ndarray,
-    lengths: np.ndarray,
-    seed: int,
-    method: Any,
-    sampler: SamplerConfig,
-    budget_tokens: Any,
-    capacity_new: int,
-    kv_dtype: Any,
-    mesh: Mesh | None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(static arguments, traced inputs) of ``prefill_jit`` by name, for tokens [B, P] right-padded, lengths
-    [B]: inputs placed on the mesh, the prefill's random key drawn from ``seed`` as ``generate`` draws it."""
-    static = dict(
-        graphdef=graphdef,
-        method=method,
-        sampler=sampler,
-        budget_tokens=budget_tokens,
-        capacity_new=capacity_new,
-        kv_dtype=kv_dtype,
-        mesh=mesh,
-    )
-    key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
-    inputs = dict(state=state, tokens=place_rows(tokens, mesh), lengths=place_rows(lengths, mesh), rng=key)
-    return static, inputs | {"weights": method_weights(method, model_cfg, mesh)}
-
-
-def method_weights(method: KVMethod, model_cfg: ModelConfig, mesh: Mesh | None) -> Any:
-    """The method's learned parameters (``KVMethod.weights``, None without any) on the device(s), replicated
-    over a mesh: an argument of every program, so that other parameters of the same shapes reuse them."""
-    return jax.tree.map(lambda a: place_replicated(a, mesh), method.weights(model_cfg))
-
-
 def lower_prefill(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -269,7 +233,7 @@ def lower_prefill(
     tokens, lengths = pad_prompts(prompts)
     budget_tokens = tokens_for_budget(method, lengths, sampler.max_new_tokens, budget_rounding)
     graphdef, state = nnx.split(model)
-    static, inputs = _prefill_call(
+    static, inputs = prefill_call(
         model_cfg=model.cfg,
         graphdef=graphdef,
         state=state,

@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.core.budget import BudgetTooSmallError
 from qevict_jax.core.kv import CacheRequest, KVMethod, full_kv_bytes
-from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context
+from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context, place_replicated, place_rows
 from qevict_jax.runtime.compiled import bucket_floor, bucket_length
 from qevict_jax.runtime.sampling import SamplerConfig, sample
 
@@ -157,6 +157,12 @@ def pad_prompts(prompts: Sequence[Sequence[int]], width: int | None = None) -> t
     return tokens, lengths
 
 
+def method_weights(method: KVMethod, model_cfg: ModelConfig, mesh: Mesh | None) -> Any:
+    """The method's learned parameters (``KVMethod.weights``, None without any) on the device(s), replicated
+    over a mesh: an argument of every program, so that other parameters of the same shapes reuse them."""
+    return jax.tree.map(lambda a: place_replicated(a, mesh), method.weights(model_cfg))
+
+
 # ---------------------------------------------------------------------------------------------- jitted
 
 
@@ -283,6 +289,37 @@ prefill_jit = jax.jit(
 append_jit = jax.jit(
     _append, static_argnames=("graphdef", "method", "sampler", "mesh"), donate_argnames=("cache",)
 )
+
+
+def prefill_call(
+    *,
+    model_cfg: ModelConfig,
+    graphdef,
+    state,
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    seed: int,
+    method: Any,
+    sampler: SamplerConfig,
+    budget_tokens: Any,
+    capacity_new: int,
+    kv_dtype: Any,
+    mesh: Mesh | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(static arguments, traced inputs) of ``prefill_jit`` by name, for tokens [B, P] right-padded, lengths
+    [B]: inputs placed on the mesh, the prefill's random key drawn from ``seed`` as ``generate`` draws it."""
+    static = dict(
+        graphdef=graphdef,
+        method=method,
+        sampler=sampler,
+        budget_tokens=budget_tokens,
+        capacity_new=capacity_new,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
+    )
+    key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
+    inputs = dict(state=state, tokens=place_rows(tokens, mesh), lengths=place_rows(lengths, mesh), rng=key)
+    return static, inputs | {"weights": method_weights(method, model_cfg, mesh)}
 
 
 @dataclasses.dataclass(frozen=True)
