@@ -313,7 +313,7 @@ def test_other_gate_parameters_reuse_the_traced_programs(tiny, trained):
     """The gate parameters are an argument of the prefill and the decode loop, not constants captured while
     they are traced: other parameters of the same shapes trace neither program again, and take effect."""
     model, ids = tiny
-    method = make_method("qevict-gates", 0.3, gates=trained)
+    method = make_method("qevict-gates", 0.4, gates=trained, recent=16, omega=2)
     sampler = SamplerConfig(max_new_tokens=4)
     tokens, lengths = prefill_module.pad_prompts([[int(i) for i in ids[:PROMPT]]])
     budget = prefill_module.tokens_for_budget(method, lengths, sampler.max_new_tokens, "bucket")
@@ -325,15 +325,18 @@ def test_other_gate_parameters_reuse_the_traced_programs(tiny, trained):
     decode = jax.jit(
         chex.assert_max_traces(decode_module._decode, n=1), static_argnames=("graphdef", "method", "sampler")
     )
-    other = make_method("qevict-gates", 0.3, gates=gt.UNTRAINED).weights(model.cfg)
+    other = make_method("qevict-gates", 0.4, gates=gt.UNTRAINED).weights(model.cfg)
     rows = dict(lengths=jnp.asarray(lengths), graphdef=graphdef, method=method, sampler=sampler)
     sizes = dict(budget_tokens=budget, capacity_new=sampler.max_new_tokens, kv_dtype=jnp.float32)
     caches = []
     for weights in (method.weights(model.cfg), other):
         weights = jax.tree.map(jnp.asarray, weights)
         key = jax.random.key(0)
-        first, cache = prefill(state, jnp.asarray(tokens), rng=key, weights=weights, **rows, **sizes)
-        *_, cache = decode(state, cache, first, rng=jax.random.key(1), weights=weights, **rows)
+        first, cache = prefill(
+            state=state, tokens=jnp.asarray(tokens), rng=key, weights=weights, **rows, **sizes
+        )
+        rng = jax.random.key(1)
+        *_, cache = decode(state=state, cache=cache, first=first, rng=rng, weights=weights, **rows)
         caches.append(cache)
     # the untrained gates keep every token alike (the same key in every window), the trained ones do not
     trained_keys, untrained_keys = (np.asarray(c.ledger.score) for c in caches)
