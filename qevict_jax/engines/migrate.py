@@ -37,11 +37,7 @@ def dequantize_windows(
 
 
 def apply_plan(
-    row: TieredCache,
-    plan: RoutingPlan,
-    candidates: Candidates,
-    inv_freq: jax.Array,
-    *,
+    row: TieredCache, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *,
     bound: int | None = None,
 ) -> TieredCache:
     """Move the data of one row as ``plan`` says; returns the row with new F, ledger and metadata.
@@ -150,11 +146,7 @@ decode event moves one or two windows in a row (measured on SmolLM2 at 2K: the m
 
 
 def finish_row(
-    row: TieredCache,
-    plan: RoutingPlan,
-    candidates: Candidates,
-    inv_freq: jax.Array,
-    *,
+    row: TieredCache, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *,
     bound: int | None = None,
 ) -> TieredCache:
     """``apply_plan``, then mark the candidates routed and count the event."""
