@@ -23,7 +23,7 @@ import numpy as np
 
 from pallas_kernels import cpu_ledger
 from pallas_kernels.formats import QuantFormat, quant_format
-from pallas_kernels.reference import QuantTier
+from pallas_kernels.tiers import QuantTier
 
 
 def time_kernel(

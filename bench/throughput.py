@@ -31,7 +31,7 @@ that long contexts cost compile time only; SnapKV (β = 0.2, a token-pool baseli
 
 ``--mesh 1x2,2x1,2x2``: sharded generation (``generate(..., mesh=...)``, "data" x "model") on each mesh:
 decode tokens/s in all and per device, and the bytes one device moves through collectives per decode step,
-read from the compiled decode loop that ran (``compiled.decode_step_collective_bytes``: a step without a
+read from the compiled decode loop that ran (``hlo_collectives.decode_step_collective_bytes``: a step without a
 routing event, and one with), for Full-KV and QEvict at β = 0.2, with the head mean of the attention masses
 every step and at routing events only (``deferred_head_mean``). Fake CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=4``) share the machine's cores, so their tokens/s say
@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from hlo_collectives import decode_step_collective_bytes
 
 from models.checkpoint import load_model
 from models.config import ModelConfig
@@ -69,7 +70,7 @@ from qevict_jax.core.kv import KVMethod
 from qevict_jax.core.sharding import make_mesh
 from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_arg
-from qevict_jax.runtime.compiled import EXECUTABLES, bucket_length, decode_step_collective_bytes
+from qevict_jax.runtime.compiled import EXECUTABLES, bucket_length
 from qevict_jax.runtime.generate import GenerationResult, generate, lower_prefill
 from qevict_jax.runtime.prefill import planned_cache
 from qevict_jax.runtime.sampling import SamplerConfig

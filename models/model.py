@@ -35,6 +35,8 @@ class LayerContext:
         prefill already computed it (several methods' caches from one pass), else None.
     hidden: [B, T, Dm] the layer's normed attention input (what q, k, v are projected from), for methods
         that score tokens from it (learned retention gates, ``qevict_jax.rankings.gates``), or None.
+    weights: the attend fn's own learned parameters (a pytree of arrays with a leading layer axis, e.g. the
+        gates'), an argument of the traced program rather than constants in it, or None.
     """
 
     positions: jax.Array
@@ -44,6 +46,7 @@ class LayerContext:
     wo: jax.Array | None = None
     prompt_attention: tuple[jax.Array, jax.Array] | None = None
     hidden: jax.Array | None = None
+    weights: Any = None
 
 
 TOKEN_CHUNK = 512
@@ -258,13 +261,15 @@ class Transformer(nnx.Module):
         attend: AttendFn = uncached_attend,
         logit_index: jax.Array | None = None,
         token_chunk: int | None = None,
+        weights: Any = None,
     ) -> tuple[jax.Array, Any]:
         """Forward pass.
 
         tokens, positions: [B, T] int32. cache: pytree with leading [L] axis on every array, or None.
         logit_index: [B] int32, when given only the logits at ``tokens[b, logit_index[b]]`` are computed.
         token_chunk: tokens per chunk of the position-wise parts of each layer (``_layer``); None: the module's
-        ``TOKEN_CHUNK`` when traced (a bench may set it).
+        ``TOKEN_CHUNK`` when traced (a bench may set it). weights: the attend fn's learned parameters
+        (``LayerContext.weights``), or None.
         Returns (logits [B, T, V] float32, or [B, V] with logit_index; the updated cache).
         """
         cfg = self.cfg
@@ -280,7 +285,9 @@ class Transformer(nnx.Module):
             def body_stacked(carry, xs):
                 x, cache = carry
                 p, layer = xs
-                ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
+                ctx = LayerContext(
+                    positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg, weights=weights
+                )
                 x, cache = self._layer(x, p, cache, ctx, attend, token_chunk)
                 return (x, cache), None
 
@@ -291,7 +298,9 @@ class Transformer(nnx.Module):
             def body(carry, xs):
                 x, cache = carry
                 p, layer = xs
-                ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg)
+                ctx = LayerContext(
+                    positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg, weights=weights
+                )
                 old = read_layer(cache, layer)
                 x, new = self._layer(x, p, old, ctx, attend, token_chunk)
                 return (x, write_layer(cache, old, new, layer)), None

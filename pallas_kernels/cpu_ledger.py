@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from pallas_kernels.formats import ChannelKeys, QuantFormat, RotatedTokens
-from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotate_values_back, rotated_partial
+from pallas_kernels.tiers import Partial, QuantTier, empty_partial, rotate_values_back, rotated_partial
 
 SOURCE = Path(__file__).parent / "cpu" / "ledger_attention.cc"
 TARGET = "qevict_ledger_attention"
@@ -120,7 +120,7 @@ def _code_args(codes) -> tuple[jax.Array, ...]:
 
 
 def _rotated_cpu(q: jax.Array, q_rot: jax.Array, tier: QuantTier, inv_freq: jax.Array, fmt: RotatedTokens) -> Partial:
-    """``reference.RotatedAttention`` by the kernel's RotatedTokens handler (the centered one when the keys
+    """``tiers.RotatedAttention`` by the kernel's RotatedTokens handler (the centered one when the keys
     are centered: it also reads the key means, the un-rotated query and the slots' positions)."""
     nl = tier.codes.k_codes.shape[2]
     codes = tier.codes.replace(k_mean=None)  # the six fields every handler reads first
@@ -152,7 +152,7 @@ def ledger_attention_cpu(
     each slot start and of each offset, combined by angle addition); the kernel evaluates their sines and
     cosines itself, for the valid slots only, and reads the float16 grids as they are stored.
     ``RotatedTokens``: the query is rotated here, the kernel reads the rotated codes (and, centered, adds
-    ``q . RoPE_t(mean)`` from the key means), the output is rotated back here (``reference.rotated_partial``).
+    ``q . RoPE_t(mean)`` from the key means), the output is rotated back here (``tiers.rotated_partial``).
     """
     if not available():
         raise RuntimeError(f"the CPU ledger kernel is unavailable: {unavailable_reason()}")

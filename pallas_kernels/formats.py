@@ -1,6 +1,7 @@
 """The ledger formats of the Q tier: how a window's keys and values become ``QuantizedWindows`` and back.
 
-Ledger formats (``QuantFormat``; ``quant_format(name, bits)`` builds one from the ``CacheConfig.quant`` name):
+Ledger formats (``QuantFormat``; ``FORMATS`` names them, ``quant_format(name, bits)`` picks one by the
+``CacheConfig.quant`` name):
 
 - ``ChannelKeys`` ("channel", KIVI's): pre-RoPE keys with one grid per channel over the window, values one
   grid per token, both ``bits`` wide; attention re-rotates the keys at their positions. "kch2-rotv3" and the
@@ -193,20 +194,25 @@ class RotatedTokens:
 
 
 QuantFormat = ChannelKeys | RotatedTokens
-QUANT_NAMES = (
-    "channel", "crot-k4v3", "crot-k4v4", "crot-k3v4", "crot-k3v3", "kch2-rotv3", "kch2-rotv4", "kch2-rotv2",
-    "rot-k4v4", "rot-k4v3", "rot-k4v2", "rot-k3v3", "rot-k2v2",
-)  # fmt: skip
+
+FORMATS: dict[str, QuantFormat] = {
+    fmt.name: fmt
+    for fmt in (
+        ChannelKeys(),  # "channel": its width is the cache's ``bits`` (``quant_format``)
+        *(RotatedTokens(k, v, center_keys=True) for k, v in ((4, 3), (4, 4), (3, 4), (3, 3))),
+        *(ChannelKeys(2, v_bits=v, rotate_values=True) for v in (3, 4, 2)),
+        *(RotatedTokens(k, v) for k, v in ((4, 4), (4, 3), (4, 2), (3, 3), (2, 2))),
+    )
+}
+"""Every ledger format by its name (``CacheConfig.quant``): the formats declare their names, so a new format
+is one entry here."""
+QUANT_NAMES = tuple(FORMATS)
 
 
 def quant_format(name: str, bits: int = 2) -> QuantFormat:
-    """The ledger format named ``name`` ("channel" takes ``bits``; "kch2-rotvY" and "rot-kXvY" their own
-    widths)."""
-    if name == "channel":
-        codes_per_byte(bits)
-        return ChannelKeys(bits)
-    if name not in QUANT_NAMES:
+    """The ledger format named ``name`` (``FORMATS``): "channel" is built at ``bits``; every other name fixes
+    its widths."""
+    if name not in FORMATS:
         raise ValueError(f"unknown ledger format quant={name!r}; available: {', '.join(QUANT_NAMES)}")
-    if name.startswith("kch"):
-        return ChannelKeys(int(name[3]), v_bits=int(name[-1]), rotate_values=True)
-    return RotatedTokens(int(name[-3]), int(name[-1]), center_keys=name.startswith("crot"))
+    fmt = FORMATS[name]
+    return ChannelKeys(bits) if fmt == ChannelKeys() else fmt

@@ -7,11 +7,11 @@ that writes flash-decoding partials ``(out, m, l)`` and its per-slot ``exp(s - m
   values laid out as slots of W tokens ``[B, Hkv, N, W, D]`` (F is already that; sink and ring are viewed
   as slots of one token, a free reshape), with a validity flag per slot;
 - the Q tier is ``pallas_kernels.ledger_attention.ledger_attention`` (packed INT2/INT4 codes);
-- ``pallas_kernels.reference.merge_tiers`` merges the four partials into the normalized output and the
+- ``pallas_kernels.tiers.merge_tiers`` merges the four partials into the normalized output and the
   head-mean attention mass per F slot, Q slot, ring token and sink token.
 
 Everything stays in the cache's own layout: no tier is concatenated, copied or dequantized into device
-memory. ``fused_partials()`` is ``pallas_kernels.reference.tier_partials`` with these kernels in place of
+memory. ``fused_partials()`` is ``pallas_kernels.tiers.tier_partials`` with these kernels in place of
 its jnp partials (tests compare the two; the window engine runs the reference with the CPU ledger kernel on a
 CPU).
 """
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import splitk
 from pallas_kernels.ledger_attention import ledger_attention
-from pallas_kernels.reference import DenseTier, Partial, empty_partial, tier_partials
 from pallas_kernels.splitk import DEFAULT_LAUNCH, Launch
+from pallas_kernels.tiers import DenseTier, Partial, empty_partial, tier_partials
 
 DENSE_WARPS = 4  # Triton warps of the dense kernel unless the launch names some
 
@@ -54,7 +54,7 @@ def dense_slot_attention(q: jax.Array, tier: DenseTier, *, launch: Launch = DEFA
 
     q: [B, Hkv, G, D] post-RoPE query (unscaled); tier: k, v [B, Hkv, N, W, D] (or [B, Hkv, N, D] tokens)
     post-RoPE keys and values (any float dtype), valid [B, N] bool per slot. Returns a ``Partial`` (mass
-    per slot [B, Hkv, G, N]) in float32, as ``pallas_kernels.reference.slot_partial``. ``launch``: as
+    per slot [B, Hkv, G, N]) in float32, as ``pallas_kernels.tiers.slot_partial``. ``launch``: as
     ``ledger_attention``'s (4 warps by default).
     """
     k, v, slot_valid = tier
@@ -81,8 +81,8 @@ def dense_slot_attention(q: jax.Array, tier: DenseTier, *, launch: Launch = DEFA
 
 
 def fused_partials(*, launch: Launch = DEFAULT_LAUNCH) -> Callable[..., list[Partial]]:
-    """``reference.tier_partials`` with the Pallas kernels in place of its jnp partials (the same arguments
-    and result): one Pallas launch per tier, the (sink, F, Q, ring) partials that ``reference.merge_tiers``
+    """``tiers.tier_partials`` with the Pallas kernels in place of its jnp partials (the same arguments
+    and result): one Pallas launch per tier, the (sink, F, Q, ring) partials that ``tiers.merge_tiers``
     turns into the attention. The slot split of ``launch`` applies to the ledger kernel (the dense tiers
     use their defaults); its other options to every kernel."""
     dense = dataclasses.replace(launch, block_slots=None, num_splits=None)

@@ -47,7 +47,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.formats import ChannelKeys, QuantFormat, RotatedTokens
 from pallas_kernels.quant import QuantizedWindows
-from pallas_kernels.reference import Partial, QuantTier, empty_partial, rotate_values_back, rotated_partial
 from pallas_kernels.splitk import (
     DEFAULT_LAUNCH,
     Launch,
@@ -59,6 +58,7 @@ from pallas_kernels.splitk import (
     split_attention,
     unpack_last,
 )
+from pallas_kernels.tiers import Partial, QuantTier, empty_partial, rotate_values_back, rotated_partial
 
 LEDGER_WARPS = 8  # Triton warps of the ledger kernels unless the launch names some
 
@@ -204,7 +204,7 @@ def _centered_kernel(
 def _rotated_call(
     q: jax.Array, q_rot: jax.Array, tier: QuantTier, inv_freq: jax.Array, fmt: RotatedTokens, *, launch: Launch
 ) -> Partial:
-    """``reference.RotatedAttention`` by ``_rotated_kernel``, or ``_centered_kernel`` for centered keys
+    """``tiers.RotatedAttention`` by ``_rotated_kernel``, or ``_centered_kernel`` for centered keys
     (split-K over the slots, as the channel kernel)."""
     codes, slot_start, slot_valid = tier
     b, hkv, _, d = q_rot.shape
@@ -270,7 +270,7 @@ def ledger_attention(
     Same arguments and results as ``pallas_kernels.reference.ledger_partial``: q [B, Hkv, G, D]; tier (codes
     [B, Hkv, NL, ...] in format ``fmt``, slot_start [B, NL] int32, slot_valid [B, NL] bool); inv_freq [D/2]
     f32. ``ChannelKeys`` runs ``_ledger_kernel`` (its output rotated back when the values are rotated); ``RotatedTokens`` runs ``_rotated_kernel`` on the
-    rotated query (``reference.rotated_partial``). Returns a ``Partial`` (out [B, Hkv, G, D] unnormalized,
+    rotated query (``tiers.rotated_partial``). Returns a ``Partial`` (out [B, Hkv, G, D] unnormalized,
     m, l [B, Hkv, G], mass per slot [B, Hkv, G, NL]), all f32. ``launch``: interpret mode, Triton options,
     the slot split and NaN poisoning (``splitk.Launch``; 8 warps by default).
     """

@@ -4,7 +4,7 @@ programs, the online softmax a program runs over its slots, the ``pallas_call`` 
 A kernel is written as ``load(rows, valid) -> (logits per query head [BS, W], values [BS, W, D])`` for one
 step of ``block`` slots; ``online_softmax`` folds the steps and writes the program's partial to
 ``PartialRefs``, and ``split_attention`` launches it over grid ``(B, Hkv, splits)`` and merges the programs'
-partials into one ``reference.Partial``.
+partials into one ``tiers.Partial``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from models.attention import NEG_INF
 from pallas_kernels.dispatch import resolve_interpret, triton_params
-from pallas_kernels.reference import Partial
+from pallas_kernels.tiers import Partial
 
 TARGET_PROGRAMS = 512  # programs per launch the split heuristic aims at (a few waves on ~132 SMs)
 BLOCK_TOKENS = 32  # tokens per inner step by default (block slots = BLOCK_TOKENS // W)

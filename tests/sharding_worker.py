@@ -13,28 +13,31 @@ a model that does not divide over the mesh raises.
 ledger kernel; with the Pallas kernels in interpret mode on 2 x 4; with ``deferred_head_mean``), the
 compiled decode loop of a short
 generation on the same prompts: its all-gathers (result and operand shapes), the bytes its collectives move
-per decode step (``compiled.decode_step_collective_bytes``) and the cache leaves' global and shard shapes
+per decode step (``bench/hlo_collectives.py``) and the cache leaves' global and shard shapes
 (prompts of ``PROGRAM_LENGTHS`` tokens, which β = 0.2 compresses).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the HLO reader lives with the benches
 
 import json  # noqa: E402
-import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from hlo_collectives import decode_loop_collectives, decode_step_collective_bytes  # noqa: E402
 from tiny import decisive_model, tiny_llama  # noqa: E402
 
 from pallas_kernels.dispatch import use_cpu_kernel  # noqa: E402
 from qevict_jax.core.sharding import make_mesh, param_specs  # noqa: E402
 from qevict_jax.methods.registry import cache_stats, make_method  # noqa: E402
-from qevict_jax.runtime.compiled import EXECUTABLES, decode_loop_collectives, decode_step_collective_bytes  # noqa: E402
+from qevict_jax.runtime.compiled import EXECUTABLES  # noqa: E402
 from qevict_jax.runtime.generate import generate  # noqa: E402
 from qevict_jax.runtime.sampling import SamplerConfig  # noqa: E402
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +21,8 @@ from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.gate_methods import GATE_METHODS
 from qevict_jax.methods.registry import make_method
 from qevict_jax.rankings import gates as gt
+from qevict_jax.runtime import decode as decode_module
+from qevict_jax.runtime import prefill as prefill_module
 from qevict_jax.runtime.generate import SamplerConfig, generate, teacher_forced
 from qevict_jax.training import train_gates as tg
 
@@ -304,3 +307,37 @@ def test_a_gate_method_without_a_checkpoint_is_a_clear_error(tiny):
     for name in ("gates", "qevict-gates"):
         with pytest.raises(ValueError, match="gates=DIR"):
             generate(model, [prompt], SamplerConfig(max_new_tokens=2), make_method(name, 0.4, recent=16))
+
+
+def test_other_gate_parameters_reuse_the_traced_programs(tiny, trained):
+    """The gate parameters are an argument of the prefill and the decode loop, not constants captured while
+    they are traced: other parameters of the same shapes trace neither program again, and take effect."""
+    model, ids = tiny
+    method = make_method("qevict-gates", 0.4, gates=trained, recent=16, omega=2)
+    sampler = SamplerConfig(max_new_tokens=4)
+    tokens, lengths = prefill_module.pad_prompts([[int(i) for i in ids[:PROMPT]]])
+    budget = prefill_module.tokens_for_budget(method, lengths, sampler.max_new_tokens, "bucket")
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(
+        chex.assert_max_traces(prefill_module._prefill, n=1),
+        static_argnames=("graphdef", "method", "sampler", "budget_tokens", "capacity_new", "kv_dtype"),
+    )
+    decode = jax.jit(
+        chex.assert_max_traces(decode_module._decode, n=1), static_argnames=("graphdef", "method", "sampler")
+    )
+    other = make_method("qevict-gates", 0.4, gates=gt.UNTRAINED).weights(model.cfg)
+    rows = dict(lengths=jnp.asarray(lengths), graphdef=graphdef, method=method, sampler=sampler)
+    sizes = dict(budget_tokens=budget, capacity_new=sampler.max_new_tokens, kv_dtype=jnp.float32)
+    caches = []
+    for weights in (method.weights(model.cfg), other):
+        weights = jax.tree.map(jnp.asarray, weights)
+        key = jax.random.key(0)
+        first, cache = prefill(
+            state=state, tokens=jnp.asarray(tokens), rng=key, weights=weights, **rows, **sizes
+        )
+        rng = jax.random.key(1)
+        *_, cache = decode(state=state, cache=cache, first=first, rng=rng, weights=weights, **rows)
+        caches.append(cache)
+    # the untrained gates keep every token alike (the same key in every window), the trained ones do not
+    trained_keys, untrained_keys = (np.asarray(c.ledger.score) for c in caches)
+    assert not np.array_equal(trained_keys, untrained_keys)

@@ -30,8 +30,9 @@ from pallas_kernels.formats import (
 )
 from pallas_kernels.ledger_attention import ledger_attention
 from pallas_kernels.quant import pack_tokens, unpack_tokens
-from pallas_kernels.reference import QuantTier, ledger_partial
+from pallas_kernels.reference import ledger_partial
 from pallas_kernels.splitk import Launch
+from pallas_kernels.tiers import QuantTier
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
 from qevict_jax.methods.full import FullKV
@@ -244,6 +245,32 @@ def test_a_rotated_q_window_costs_its_codes_and_grids():
     assert slot_bytes("crot-k4v3") == heads * (512 + 128) + metadata
     # a Q tier ranked by key norm keeps one f32 key-norm score per entry and layer
     assert slot_bytes("crot-k4v3", "keynorm") == slot_bytes("crot-k4v3") + cfg.num_layers * 4
+
+
+def test_every_format_name_builds_its_format_in_order():
+    # written out by hand: the names (in the order the CLI and the errors list them) and what each one builds
+    want = [
+        ("channel", ChannelKeys(2)),
+        ("crot-k4v3", RotatedTokens(4, 3, center_keys=True)),
+        ("crot-k4v4", RotatedTokens(4, 4, center_keys=True)),
+        ("crot-k3v4", RotatedTokens(3, 4, center_keys=True)),
+        ("crot-k3v3", RotatedTokens(3, 3, center_keys=True)),
+        ("kch2-rotv3", ChannelKeys(2, 3, rotate_values=True)),
+        ("kch2-rotv4", ChannelKeys(2, 4, rotate_values=True)),
+        ("kch2-rotv2", ChannelKeys(2, 2, rotate_values=True)),
+        ("rot-k4v4", RotatedTokens(4, 4)),
+        ("rot-k4v3", RotatedTokens(4, 3)),
+        ("rot-k4v2", RotatedTokens(4, 2)),
+        ("rot-k3v3", RotatedTokens(3, 3)),
+        ("rot-k2v2", RotatedTokens(2, 2)),
+    ]
+    assert [(name, quant_format(name)) for name in QUANT_NAMES] == want
+    # only "channel" takes the cache's width; a name with its widths keeps them
+    assert quant_format("channel", 4) == ChannelKeys(4)
+    assert quant_format("kch2-rotv3", 4) == ChannelKeys(2, 3, rotate_values=True)
+    assert quant_format("rot-k4v3", 4) == RotatedTokens(4, 3)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quant_format("channel", 3)
 
 
 def test_format_names_are_checked():

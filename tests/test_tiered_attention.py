@@ -18,7 +18,8 @@ from models.config import ModelConfig
 from models.model import LayerContext, Transformer
 from pallas_kernels.formats import ChannelKeys
 from pallas_kernels.quant import QuantizedWindows
-from pallas_kernels.reference import Partial, QuantTier, dense_partial, ledger_partial, merge_tiers
+from pallas_kernels.reference import ledger_partial
+from pallas_kernels.tiers import Partial, QuantTier, dense_partial, merge_tiers
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
 from qevict_jax.core.kv import CacheRequest

@@ -5,6 +5,7 @@ it), and loading a
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -47,7 +48,10 @@ def decisive_model(cfg: ModelConfig, seed: int = 3) -> Transformer:
 
 
 def load_bench(name: str) -> ModuleType:
-    """The script ``bench/<name>.py`` as a module."""
+    """The script ``bench/<name>.py`` as a module, with ``bench/`` on ``sys.path`` as when it runs as a script
+    (it imports its sibling modules)."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -19,6 +19,11 @@ A method is a frozen, hashable dataclass (a static argument under ``jax.jit``) w
   cache is compressed at the least β that can), or None where the size is not a β (Full-KV, a fixed
   ``budget_bytes``).
 
+- ``weights(model_cfg)``: the method's learned parameters for a model as host arrays (a pytree; None for a
+  method without any), read once on the host; the runtime passes them into every program as an argument,
+  which the attend fns read from ``LayerContext.weights``: new parameters of the same shapes reuse the
+  compiled programs.
+
 The runtime sees methods only through this protocol: it never names a concrete method, Full-KV included.
 """
 
@@ -91,6 +96,8 @@ class KVMethod(Protocol):
     def uncompressed(self) -> KVMethod: ...
 
     def at_budget(self, beta: float) -> KVMethod | None: ...
+
+    def weights(self, model_cfg: ModelConfig) -> Any: ...
 
 
 DEFAULT_KV_DTYPE = jnp.bfloat16

@@ -40,6 +40,7 @@ from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.rankings.attention_scores import observation_mass
 from qevict_jax.rankings.scoring import Ranking
 from qevict_jax.runtime.compiled import EXECUTABLES
+from qevict_jax.runtime.prefill import method_weights
 
 # ---------------------------------------------------------------------------------------------- reference
 
@@ -160,8 +161,11 @@ def window_view(cache: TieredCache, nw: int) -> tuple[jax.Array, jax.Array]:
     return jax.vmap(jax.vmap(row))(cache)
 
 
-def _policy_prefill(graphdef, state, tokens, method: KVMethod, capacity_new: int, kv_dtype, nw: int):
-    """tokens [B, P] (no padding) -> (cache, tiers [L, B, NW], scores [L, B, NW]) after the prefill."""
+def _policy_prefill(
+    graphdef, state, tokens, method: KVMethod, capacity_new: int, kv_dtype, nw: int, weights: Any = None
+):
+    """tokens [B, P] (no padding) -> (cache, tiers [L, B, NW], scores [L, B, NW]) after the prefill;
+    ``weights``: the method's learned parameters (``KVMethod.weights``)."""
     model: Transformer = nnx.merge(graphdef, state)
     b, p = tokens.shape
     lengths = jnp.full((b,), p, jnp.int32)
@@ -171,11 +175,13 @@ def _policy_prefill(graphdef, state, tokens, method: KVMethod, capacity_new: int
     )  # fmt: skip
     cache = method.init_cache(request, lengths)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    _, cache = model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
+    _, cache = model(
+        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights
+    )
     return (cache, *window_view(cache, nw))
 
 
-def _policy_interval(graphdef, state, cache, tokens, start, method: KVMethod, nw: int):
+def _policy_interval(graphdef, state, cache, tokens, start, method: KVMethod, nw: int, weights: Any = None):
     """Ω teacher-forced decode steps: tokens [B, Ω] at positions ``start + i`` ([B] start); the last step's
     routing event is due. Returns (cache, scores before the event routes [L, B, NW], tiers and scores after
     it [L, B, NW])."""
@@ -184,7 +190,8 @@ def _policy_interval(graphdef, state, cache, tokens, start, method: KVMethod, nw
 
     def step(cache, xs):
         token, i = xs
-        _, cache = model(token[:, None], (start + i)[:, None], cache, attend=method.decode_attend)
+        attend = method.decode_attend
+        _, cache = model(token[:, None], (start + i)[:, None], cache, attend=attend, weights=weights)
         return cache
 
     def body(cache, xs):
@@ -263,11 +270,13 @@ def policy_trace(
         raise ValueError(f"the decode steps G = {g} must be a positive multiple of Ω = {omega}")
     nw = num_windows(t, caps_cfg.sink, caps_cfg.window)
     graphdef, state = nnx.split(model)
+    weights = method_weights(method, model.cfg, None)
     (cache, tier0, score0), _ = EXECUTABLES.run(
         _policy_prefill_jit,
         dict(graphdef=graphdef, method=method, capacity_new=g, kv_dtype=kv_dtype, nw=nw),
         state=state,
         tokens=jnp.asarray(sequences[:, :prompt_len]),
+        weights=weights,
     )
     caps = cache.caps
     tiers, scores, pre = [np.asarray(tier0)], [np.asarray(score0)], []
@@ -283,6 +292,7 @@ def policy_trace(
             cache=cache,
             tokens=chunk,
             start=start,
+            weights=weights,
         )
         pre.append(np.asarray(sp))
         tiers.append(np.asarray(tr))

@@ -5,15 +5,20 @@ computed only at its first quantization (the ledger's invariant, see ``routing``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.formats import QuantFormat
 from pallas_kernels.quant import QuantizedWindows
+from qevict_jax.core.cache import SinkRingCache, TieredCache
 from qevict_jax.core.kv import from_words, to_words
 from qevict_jax.engines.routing import Candidates, RoutingPlan, compact, idle_plan, plan_row
+from qevict_jax.rankings.scoring import Ranking
+
+RowT = TypeVar("RowT", bound=SinkRingCache)
+"""One batch row of either engine's cache (``mark_routed`` serves both)."""
 
 
 def quantize_windows(
@@ -32,8 +37,9 @@ def dequantize_windows(
 
 
 def apply_plan(
-    row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *, bound: int | None = None
-) -> Any:
+    row: TieredCache, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *,
+    bound: int | None = None,
+) -> TieredCache:
     """Move the data of one row as ``plan`` says; returns the row with new F, ledger and metadata.
 
     row: one batch row of a ``TieredCache`` (fields without the [B] axis). candidates: the plan's
@@ -56,7 +62,9 @@ def _chunk(mask: jax.Array, chunk: jax.Array, m: int) -> jax.Array:
     return jax.lax.dynamic_slice(compact(mask, -(-n // m) * m), (chunk * m,), (m,))
 
 
-def demote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq: jax.Array) -> Any:
+def demote_chunk(
+    row: TieredCache, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq: jax.Array
+) -> TieredCache:
     """Quantize chunk ``chunk`` ([] int32) of ``m`` of the row's fresh F -> Q demotions into their ledger slots.
 
     Reads F, writes only ledger slots the plan freed (never a promoted window's entry), so every chunk of
@@ -72,7 +80,9 @@ def demote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq
     return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(target, entries)))
 
 
-def promote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq: jax.Array) -> Any:
+def promote_chunk(
+    row: TieredCache, plan: RoutingPlan, chunk: jax.Array, m: int, inv_freq: jax.Array
+) -> TieredCache:
     """Dequantize chunk ``chunk`` ([] int32) of ``m`` of the row's Q -> F promotions into their F slots.
 
     Reads the ledger (promoted entries stay, dormant), writes F; the row's metadata is still the old one."""
@@ -91,7 +101,9 @@ def promote_chunk(row: Any, plan: RoutingPlan, chunk: jax.Array, m: int, inv_fre
     )
 
 
-def quantize_candidates(row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array) -> Any:
+def quantize_candidates(
+    row: TieredCache, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array
+) -> TieredCache:
     """Candidates going to Q quantized into their ledger slots. The first move of an event: the
     slots are ones the plan freed, distinct from the demotions' and never a promoted window's entry."""
     caps = row.caps
@@ -102,7 +114,7 @@ def quantize_candidates(row: Any, plan: RoutingPlan, candidates: Candidates, inv
     return row.replace(ledger=row.ledger.replace(codes=row.ledger.codes.put(plan.admit_q_slot, entries)))
 
 
-def place_candidates(row: Any, plan: RoutingPlan, candidates: Candidates) -> Any:
+def place_candidates(row: TieredCache, plan: RoutingPlan, candidates: Candidates) -> TieredCache:
     """The last move of an event: candidates going to F copied into their slots (after the
     demotions read theirs), and the plan's metadata and counts."""
     dtype = row.ring_k.dtype
@@ -134,13 +146,14 @@ decode event moves one or two windows in a row (measured on SmolLM2 at 2K: the m
 
 
 def finish_row(
-    row: Any, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *, bound: int | None = None
-) -> Any:
+    row: TieredCache, plan: RoutingPlan, candidates: Candidates, inv_freq: jax.Array, *,
+    bound: int | None = None,
+) -> TieredCache:
     """``apply_plan``, then mark the candidates routed and count the event."""
     return mark_routed(apply_plan(row, plan, candidates, inv_freq, bound=bound), candidates.win)
 
 
-def mark_routed(row: Any, cand_win: jax.Array, counted: jax.Array | bool = True) -> Any:
+def mark_routed(row: RowT, cand_win: jax.Array, counted: jax.Array | bool = True) -> RowT:
     """One row after a routing event over candidates cand_win [K] (-1 = none): they left the ring
     (``next_win`` past them) and, when ``counted``, the event is counted. Either engine's row
     (``SinkRingCache``)."""
@@ -148,14 +161,20 @@ def mark_routed(row: Any, cand_win: jax.Array, counted: jax.Array | bool = True)
     return row.replace(next_win=new_next, routing_events=row.routing_events + jnp.int32(counted))
 
 
-def route_row(row: Any, inv_freq: jax.Array, ranking: Any, promotion: bool) -> Any:
+def route_row(
+    row: TieredCache, inv_freq: jax.Array, ranking: Ranking, promotion: bool
+) -> TieredCache:
     """One decode routing event for one batch row of a ``TieredCache`` (fields without the [B] axis)."""
     return finish_row(row, *plan_row(row, ranking, promotion), inv_freq)
 
 
 def route_stacked(
-    cache: Any, inv_freq: jax.Array, ranking: Any, promotion: bool, due: jax.Array | None = None
-) -> Any:
+    cache: TieredCache,
+    inv_freq: jax.Array,
+    ranking: Ranking,
+    promotion: bool,
+    due: jax.Array | None = None,
+) -> TieredCache:
     """One routing event of every layer and row of a stacked ``TieredCache`` ([L, B] leading axes).
 
     due: [] bool, whether the event happens (a decode step calls this every step); None = it does. Every row

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.model import LayerContext
-from pallas_kernels.reference import combine_partials, dense_partial
+from pallas_kernels.tiers import combine_partials, dense_partial
 from qevict_jax.core.budget import pyramid_layer_caps
 from qevict_jax.core.cache import (
     PoolCache,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from models.model import LayerContext
 from pallas_kernels.dispatch import ledger_attention
 from pallas_kernels.fused_attention import fused_partials
-from pallas_kernels.reference import DenseTier, Partial, QuantTier, TierAttention, merge_tiers, tier_partials
+from pallas_kernels.tiers import DenseTier, Partial, QuantTier, TierAttention, merge_tiers, tier_partials
 from qevict_jax.core.cache import (
     TieredCache,
     fill_sink_and_ring,

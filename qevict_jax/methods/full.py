@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import chunked_attention, dense_attention
+from models.config import ModelConfig
 from models.model import LayerContext
 from qevict_jax.core.kv import CacheRequest, FullCache, from_words, to_words
 
@@ -46,6 +47,9 @@ class FullKV:
 
     def at_budget(self, beta: float) -> None:
         return None  # keeps every token: no β applies
+
+    def weights(self, model_cfg: ModelConfig) -> None:
+        return None
 
     def route(self, cache: FullCache, inv_freq: jax.Array, due: jax.Array | None = None) -> FullCache:
         return cache
@@ -120,3 +124,7 @@ class Compressing:
 
     def uncompressed(self) -> FullKV:
         return FullKV()
+
+    def weights(self, model_cfg: ModelConfig) -> None:
+        """None: no learned parameters (the gate methods override it)."""
+        return None

@@ -10,7 +10,8 @@
   the prompt's windows need no observation-window attention, and decode steps add no attention mass.
 
 Every one takes the option ``gates``: a gate checkpoint folder written by ``qevict train-gates`` (the
-latest step is read once per folder and model and becomes a constant of the compiled program), or
+latest step is read on the host once per folder and model, ``weights``, and enters the compiled programs as
+an argument, ``LayerContext.weights``: other parameters of the same shapes reuse the programs), or
 "untrained" for untrained gates, which keep every token alike and so rank by age only (smoke tests); none
 given is a clear error.
 """
@@ -23,6 +24,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from models.config import ModelConfig
 from models.model import LayerContext
 from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.config import CacheConfig
@@ -30,16 +32,19 @@ from qevict_jax.engines.pool import Allocation, pool_prefill_layer
 from qevict_jax.engines.window import prefill_layer
 from qevict_jax.methods.baselines import PoolMethod
 from qevict_jax.methods.qevict import QEVICT_OPTIONS, WindowMethod
-from qevict_jax.rankings.gates import gate_params, log_beta
+from qevict_jax.rankings.gates import GateParams, gate_params, log_beta
 from qevict_jax.rankings.scoring import GateRanking
 from qevict_jax.rankings.windows import window_ages
 
 
-def layer_log_beta(path: str, ctx: LayerContext) -> jax.Array:
-    """log beta [B, T, Hkv] of the current layer's tokens (``ctx.hidden`` [B, T, Dm])."""
+def layer_log_beta(ctx: LayerContext) -> jax.Array:
+    """log beta [B, T, Hkv] of the current layer's tokens (``ctx.hidden`` [B, T, Dm]) by the gate parameters
+    the program was given (``ctx.weights``: a gate method's ``weights``)."""
     if ctx.hidden is None:
         raise ValueError("learned gates need the layer's input (LayerContext.hidden)")
-    return log_beta(gate_params(path, ctx.cfg), ctx.layer, ctx.hidden)
+    if ctx.weights is None:
+        raise ValueError("learned gates need their parameters (LayerContext.weights: the method's weights)")
+    return log_beta(ctx.weights, ctx.layer, ctx.hidden)
 
 
 # ---------------------------------------------------------------------------------------------- token pool
@@ -61,10 +66,14 @@ class GatePool(PoolMethod):
     def ranking(self) -> GateRanking:
         return GateRanking()
 
+    def weights(self, model_cfg: ModelConfig) -> GateParams:
+        """The gate parameters (host arrays) of the folder ``gates`` for this model."""
+        return gate_params(self.gates, model_cfg)
+
     def prefill_attend(self, q, k, v, layer_cache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache): the
         gates ranking with the layer's log beta."""
-        ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx))
+        ranking = GateRanking(log_beta=layer_log_beta(ctx))
         return pool_prefill_layer(
             q, k, v, layer_cache, ctx, ranking=ranking, allocation=self.allocation, chunk=self.cache.prefill_chunk
         )
@@ -139,9 +148,13 @@ class GateQEvict(WindowMethod):
     def ranking(self) -> GateRanking:
         return GateRanking(spill=self.spill_windows)
 
+    def weights(self, model_cfg: ModelConfig) -> GateParams:
+        """The gate parameters (host arrays) of the folder ``gates`` for this model."""
+        return gate_params(self.gates, model_cfg)
+
     def prefill_attend(self, q, k, v, layer_cache: TieredCache, ctx: LayerContext):
         """q [B, T, H, D], k, v [B, T, Hkv, D] (post-RoPE, right-padded prompt) -> (out, layer cache)."""
-        ranking = GateRanking(log_beta=layer_log_beta(self.gates, ctx), spill=self.spill_windows)
+        ranking = GateRanking(log_beta=layer_log_beta(ctx), spill=self.spill_windows)
         out, cache = prefill_layer(q, k, v, layer_cache, ctx, ranking=ranking, config=self.cache)
         return out, scores_to_keys(cache)
 
@@ -150,7 +163,7 @@ class GateQEvict(WindowMethod):
         out, cache = super().decode_attend(q, k, v, layer_cache, ctx)
         caps = cache.caps
         s, w = caps.sink, caps.window
-        lb = layer_log_beta(self.gates, ctx)[:, 0].mean(axis=-1)[:, None]  # [B, 1]
+        lb = layer_log_beta(ctx)[:, 0].mean(axis=-1)[:, None]  # [B, 1]
         pos = ctx.positions[:, 0]
         slot = jnp.mod(jnp.floor_divide(pos - s, w), caps.ring_windows)
         here = (jnp.arange(caps.ring_windows)[None] == slot[:, None]) & (pos >= s)[:, None]  # [B, RW]

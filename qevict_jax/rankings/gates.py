@@ -132,7 +132,8 @@ def gate_params(path: str, model_cfg: ModelConfig) -> GateParams:
     or, for ``path == UNTRAINED``, untrained gates (seed 0: every token alike, so a ranking by age only; for
     smoke tests of the machinery). An empty path is an error: a gate method has no default gates.
 
-    They become constants of the traced computation (the method is a static, hashable argument).
+    Read on the host, never while a program is traced: the gate methods hand them to the runtime
+    (``weights``), which passes them into the compiled programs as arguments (``LayerContext.weights``).
     """
     if not path:
         raise ValueError(
@@ -140,10 +141,8 @@ def gate_params(path: str, model_cfg: ModelConfig) -> GateParams:
             f"gates={UNTRAINED} for untrained gates that rank by age only"
         )
     if path == UNTRAINED:
-        with jax.ensure_compile_time_eval():
-            params = init_gates(GateConfig.for_model(model_cfg), jax.random.key(0))
+        params = init_gates(GateConfig.for_model(model_cfg), jax.random.key(0))
     else:
-        with jax.ensure_compile_time_eval():  # called while a method's program is traced: load eagerly
-            gcfg, params, _ = load_gates(path)
+        gcfg, params, _ = load_gates(path)
         gcfg.check(model_cfg)
     return {k: np.asarray(v, np.float32) for k, v in params.items()}

@@ -42,13 +42,15 @@ def _decode(
     sampler: SamplerConfig,
     mesh: Mesh | None = None,
     stream_id: jax.Array | None = None,
+    weights: Any = None,
 ):
     """Decode loop: first [B] token (at positions ``lengths``) -> (tokens [B, G], num_tokens [B], steps
     taken [], cache). After it, each row's cache holds ``lengths + steps`` tokens and ``tokens[:, steps]``
     is the last sampled token, not yet in the cache. On a ``mesh`` the loop carry's cache is constrained to
     its sharding every step (and the token buffer [B, G] to the batch split), so it never moves. With a
     ``stream_id`` [] (``streaming.open_stream``) each step's tokens [B] also go to that stream's host sink as
-    they are sampled; without one the loop contains no callback."""
+    they are sampled; without one the loop contains no callback. ``weights``: the method's learned parameters
+    (``KVMethod.weights``)."""
     model: Transformer = nnx.merge(graphdef, state)
     b = first.shape[0]
     g = sampler.max_new_tokens
@@ -64,7 +66,7 @@ def _decode(
         rng, key = jax.random.split(state.rng)
         token = state.tokens[:, state.step]
         pos = (lengths + state.step)[:, None]
-        logits, cache = model(token[:, None], pos, state.cache, attend=method.decode_attend)
+        logits, cache = model(token[:, None], pos, state.cache, attend=method.decode_attend, weights=weights)
         cache = constrain_cache(method.decode_route(cache, inv_freq), mesh)
         nxt = sample(logits[:, 0], key, sampler)
         nxt = jnp.where(state.done, eos[0], nxt)
@@ -93,9 +95,10 @@ decode_jit = jax.jit(
 
 
 def _teacher_forced(
-    graphdef, state, tokens, lengths, targets, method: KVMethod, budget_tokens: int, kv_dtype
+    graphdef, state, tokens, lengths, targets, method: KVMethod, budget_tokens: int, kv_dtype, weights=None
 ):
-    """Prefill, then feed ``targets`` [B, T] one token per step (teacher forcing).
+    """Prefill, then feed ``targets`` [B, T] one token per step (teacher forcing); ``weights``: the method's
+    learned parameters (``KVMethod.weights``).
 
     Returns (log-probabilities [B, T, V] of each target position given everything before it, cache).
     """
@@ -103,12 +106,21 @@ def _teacher_forced(
     t = targets.shape[1]
     inv_freq = jnp.asarray(model.cfg.inv_freq(), jnp.float32)
     logits0, cache = prefill_logits(
-        model, tokens, lengths, method, max_new_tokens=t, budget_tokens=budget_tokens, kv_dtype=kv_dtype
+        model,
+        tokens,
+        lengths,
+        method,
+        max_new_tokens=t,
+        budget_tokens=budget_tokens,
+        kv_dtype=kv_dtype,
+        weights=weights,
     )
 
     def body(cache, xs):
         token, step = xs
-        logits, cache = model(token[:, None], (lengths + step)[:, None], cache, attend=method.decode_attend)
+        attend = method.decode_attend
+        positions = (lengths + step)[:, None]
+        logits, cache = model(token[:, None], positions, cache, attend=attend, weights=weights)
         cache = method.decode_route(cache, inv_freq)
         return cache, jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
 

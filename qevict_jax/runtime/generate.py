@@ -29,7 +29,9 @@ from qevict_jax.runtime.prefill import (
     append_jit,
     check_prompts,
     fit_method,
+    method_weights,
     pad_prompts,
+    prefill_call,
     prefill_jit,
     split_questions,
     tokens_for_budget,
@@ -211,7 +213,8 @@ def generate_shared(
         groups = [(list(range(len(methods))), Fanout(tuple(methods)), budgets)]
     for members, prefill_method, budget_tokens in groups:
         t0 = time.perf_counter()
-        static, inputs = _prefill_call(
+        static, inputs = prefill_call(
+            model_cfg=model.cfg,
             graphdef=graphdef,
             state=state,
             tokens=tokens,
@@ -253,36 +256,6 @@ def generate_shared(
     return results  # type: ignore[return-value]
 
 
-def _prefill_call(
-    *,
-    graphdef,
-    state,
-    tokens: np.ndarray,
-    lengths: np.ndarray,
-    seed: int,
-    method: Any,
-    sampler: SamplerConfig,
-    budget_tokens: Any,
-    capacity_new: int,
-    kv_dtype: Any,
-    mesh: Mesh | None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(static arguments, traced inputs) of ``prefill_jit`` by name, for tokens [B, P] right-padded, lengths
-    [B]: inputs placed on the mesh, the prefill's random key drawn from ``seed`` as ``generate`` draws it."""
-    static = dict(
-        graphdef=graphdef,
-        method=method,
-        sampler=sampler,
-        budget_tokens=budget_tokens,
-        capacity_new=capacity_new,
-        kv_dtype=kv_dtype,
-        mesh=mesh,
-    )
-    key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
-    inputs = dict(state=state, tokens=place_rows(tokens, mesh), lengths=place_rows(lengths, mesh), rng=key)
-    return static, inputs
-
-
 def lower_prefill(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -298,7 +271,8 @@ def lower_prefill(
     tokens, lengths = pad_prompts(prompts)
     budget_tokens = tokens_for_budget(method, lengths, sampler.max_new_tokens, budget_rounding)
     graphdef, state = nnx.split(model)
-    static, inputs = _prefill_call(
+    static, inputs = prefill_call(
+        model_cfg=model.cfg,
         graphdef=graphdef,
         state=state,
         tokens=tokens,
@@ -337,6 +311,7 @@ def _continue(
     each row's tokens ahead of ``prompts`` in the cache (a continued conversation's history), for the
     result's ``history``."""
     graphdef, state = _split(model, mesh)
+    weights = method_weights(method, model.cfg, mesh)
     compile_s = 0.0
     t0 = time.perf_counter()
     _, k_append, k_decode = jax.random.split(jax.random.key(seed), 3)
@@ -352,6 +327,7 @@ def _continue(
             start=place_rows(positions, mesh),
             count=place_rows(counts, mesh),
             rng=place_replicated(k_append, mesh),
+            weights=weights,
         )
         compile_s += c
         positions = positions + counts
@@ -369,6 +345,7 @@ def _continue(
             lengths=place_rows(positions, mesh),
             rng=place_replicated(k_decode, mesh),
             stream_id=None if stream_id is None else place_replicated(stream_id, mesh),
+            weights=weights,
         )
         out = to_host(out)  # every process gets every row (a collective across the processes of a mesh)
     t2 = time.perf_counter()
@@ -430,6 +407,7 @@ def teacher_forced(
         tokens=jnp.asarray(tokens),
         lengths=jnp.asarray(lengths),
         targets=jnp.asarray(targets),
+        weights=method_weights(method, model.cfg, None),
     )
     final_tokens = int(lengths.sum()) + len(prompts) * (targets.shape[1] - 1)
     return TeacherForcedResult(

@@ -17,10 +17,11 @@ import numpy as np
 from flax import nnx
 
 from models.attention import prompt_attention
+from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.core.budget import BudgetTooSmallError
 from qevict_jax.core.kv import CacheRequest, KVMethod, cache_nbytes, full_kv_bytes
-from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context
+from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context, place_replicated, place_rows
 from qevict_jax.runtime.compiled import bucket_floor, bucket_length
 from qevict_jax.runtime.sampling import SamplerConfig, sample
 
@@ -198,6 +199,12 @@ def pad_prompts(prompts: Sequence[Sequence[int]], width: int | None = None) -> t
     return tokens, lengths
 
 
+def method_weights(method: KVMethod, model_cfg: ModelConfig, mesh: Mesh | None) -> Any:
+    """The method's learned parameters (``KVMethod.weights``, None without any) on the device(s), replicated
+    over a mesh: an argument of every program, so that other parameters of the same shapes reuse them."""
+    return jax.tree.map(lambda a: place_replicated(a, mesh), method.weights(model_cfg))
+
+
 # ---------------------------------------------------------------------------------------------- jitted
 
 
@@ -211,11 +218,13 @@ def prefill_logits(
     budget_tokens: int,
     kv_dtype,
     mesh: Mesh | None = None,
+    weights: Any = None,
 ):
     """tokens [B, P] right-padded, lengths [B] -> (logits at each row's last prompt token [B, V], cache).
 
     The cache is sized for ``max_new_tokens`` more tokens per row and stores K/V in ``kv_dtype``; on a
     ``mesh`` it is constrained to its sharding (``sharding.cache_shardings``) before and after the layer scan.
+    ``weights``: the method's learned parameters (``KVMethod.weights``), traced.
     """
     b, p = tokens.shape
     request = CacheRequest(
@@ -225,7 +234,9 @@ def prefill_logits(
     cache = method.init_cache(request, lengths)
     cache = constrain_cache(cache, mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, cache = model(tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1)
+    logits, cache = model(
+        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights
+    )
     return logits, constrain_cache(cache, mesh)
 
 
@@ -241,8 +252,10 @@ def _prefill(
     capacity_new: int,
     kv_dtype,
     mesh: Mesh | None = None,
+    weights: Any = None,
 ):
-    """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache with room for ``capacity_new``)."""
+    """tokens [B, P] right-padded, lengths [B] -> (first token [B], cache with room for ``capacity_new``);
+    ``weights``: the method's learned parameters (``KVMethod.weights``)."""
     model: Transformer = nnx.merge(graphdef, state)
     logits, cache = prefill_logits(
         model,
@@ -253,6 +266,7 @@ def _prefill(
         budget_tokens=budget_tokens,
         kv_dtype=kv_dtype,
         mesh=mesh,
+        weights=weights,
     )
     return sample(logits, rng, sampler), cache
 
@@ -277,6 +291,7 @@ def _append(
     method: KVMethod,
     sampler: SamplerConfig,
     mesh: Mesh | None = None,
+    weights: Any = None,
 ):
     """Append a chunk of tokens to a (compressed) cache, then run one routing event (docs/design.md §6).
 
@@ -284,6 +299,7 @@ def _append(
     ``start[b] + 1``, ... through the method's decode attention (each attends over the cache's tiers and
     adds its attention mass to the window scores, exactly as a decode step). Then ``method.route`` runs a
     routing event, so windows the new tokens need are promoted before decoding.
+    ``weights``: the method's learned parameters (``KVMethod.weights``).
     Returns (next token [B] sampled from the logits at each row's last token, cache).
     """
     model: Transformer = nnx.merge(graphdef, state)
@@ -294,7 +310,9 @@ def _append(
         cache, last = carry
         token, i = xs
         active = i < count
-        logits, new = model(token[:, None], (start + i)[:, None], cache, attend=method.decode_attend)
+        logits, new = model(
+            token[:, None], (start + i)[:, None], cache, attend=method.decode_attend, weights=weights
+        )
         new = method.decode_route(new, inv_freq)
         new = jax.lax.cond(jnp.all(active), lambda: new, lambda: _select_rows(active, new, cache))
         return (constrain_cache(new, mesh), jnp.where(active[:, None], logits[:, 0], last)), None
@@ -313,6 +331,37 @@ prefill_jit = jax.jit(
 append_jit = jax.jit(
     _append, static_argnames=("graphdef", "method", "sampler", "mesh"), donate_argnames=("cache",)
 )
+
+
+def prefill_call(
+    *,
+    model_cfg: ModelConfig,
+    graphdef,
+    state,
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    seed: int,
+    method: Any,
+    sampler: SamplerConfig,
+    budget_tokens: Any,
+    capacity_new: int,
+    kv_dtype: Any,
+    mesh: Mesh | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(static arguments, traced inputs) of ``prefill_jit`` by name, for tokens [B, P] right-padded, lengths
+    [B]: inputs placed on the mesh, the prefill's random key drawn from ``seed`` as ``generate`` draws it."""
+    static = dict(
+        graphdef=graphdef,
+        method=method,
+        sampler=sampler,
+        budget_tokens=budget_tokens,
+        capacity_new=capacity_new,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
+    )
+    key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
+    inputs = dict(state=state, tokens=place_rows(tokens, mesh), lengths=place_rows(lengths, mesh), rng=key)
+    return static, inputs | {"weights": method_weights(method, model_cfg, mesh)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +387,13 @@ class Fanout:
             for m, bt in zip(self.methods, request.budget_tokens, strict=True)
         )
 
+    def weights(self, model_cfg: ModelConfig) -> tuple[Any, ...]:
+        """Every member's learned parameters (``KVMethod.weights``), in order."""
+        return tuple(m.weights(model_cfg) for m in self.methods)
+
     def prefill_attend(self, q, k, v, caches, ctx):
-        """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression."""
+        """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression
+        (each with its own ``weights``)."""
         lengths = caches[0].length
         att = prompt_attention(
             q,
@@ -351,8 +405,11 @@ class Fanout:
             chunk=self.chunk,
         )
         ctx = dataclasses.replace(ctx, prompt_attention=att)
+        weights = ctx.weights if ctx.weights is not None else (None,) * len(self.methods)
         pairs = [
-            (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(q, k, v, c, ctx)
-            for m, c in zip(self.methods, caches, strict=True)
+            (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(
+                q, k, v, c, dataclasses.replace(ctx, weights=w)
+            )
+            for m, c, w in zip(self.methods, caches, weights, strict=True)
         ]
         return pairs[0][0], tuple(c for _, c in pairs)
