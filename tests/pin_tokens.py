@@ -18,7 +18,7 @@ their own, which must give the same tokens. Per method the pins hold the tokens,
 Greedy decoding at a near tie is decided by the last bits of the logits, and those differ between CPUs (XLA
 emits other vector code for another instruction set) and between fusions of one program. So where a run's tokens
 differ from the pins, ``--out`` also teacher-forces the *pinned* tokens through that method
-(``generate.teacher_forced``) and records each step's deficit: the best log-probability minus the pinned token's.
+(``teacher_forced.teacher_forced``) and records each step's deficit: the best log-probability minus the pinned token's.
 Pinned tokens whose deficits all stay within ``TIE_NATS`` are still a greedy decoding of this machine's logits,
 ties aside; a change of arithmetic moves some deficit far beyond it.
 
@@ -50,7 +50,8 @@ from qevict_jax.core.cache import SinkRingCache
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
 from qevict_jax.methods.registry import available_methods, cache_stats, default_method, make_method
 from qevict_jax.rankings.gates import UNTRAINED
-from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared, teacher_forced
+from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared
+from qevict_jax.runtime.teacher_forced import teacher_forced
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = Path(__file__).resolve().parent / "data" / "token_pins.json"

@@ -23,7 +23,8 @@ from qevict_jax.methods.registry import make_method
 from qevict_jax.rankings import gates as gt
 from qevict_jax.runtime import decode as decode_module
 from qevict_jax.runtime import prefill as prefill_module
-from qevict_jax.runtime.generate import SamplerConfig, generate, teacher_forced
+from qevict_jax.runtime.generate import SamplerConfig, generate
+from qevict_jax.runtime.teacher_forced import teacher_forced
 from qevict_jax.training import train_gates as tg
 
 CFG = ModelConfig(

@@ -15,8 +15,9 @@ from qevict_jax.core.kv import CacheRequest
 from qevict_jax.methods.full import FullKV
 from qevict_jax.runtime import generate as gen
 from qevict_jax.runtime.compiled import ExecutableCache, bucket_floor, bucket_length
-from qevict_jax.runtime.generate import generate, teacher_forced
+from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.sampling import SamplerConfig, sample
+from qevict_jax.runtime.teacher_forced import teacher_forced
 
 TINY = ModelConfig(
     family="llama",

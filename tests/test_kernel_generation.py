@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from qevict_jax.methods.registry import make_method
-from qevict_jax.runtime.generate import SamplerConfig, generate, teacher_forced
+from qevict_jax.runtime.generate import SamplerConfig, generate
+from qevict_jax.runtime.teacher_forced import teacher_forced
 
 
 @pytest.mark.slow

@@ -108,7 +108,7 @@ def test_every_method_with_room_for_everything_equals_full_kv(name):
     teacher-forced log-probabilities equal Full-KV's (KIVI quantizes regardless of budget: excluded)."""
 
     from models.config import ModelConfig
-    from qevict_jax.runtime.generate import teacher_forced
+    from qevict_jax.runtime.teacher_forced import teacher_forced
 
     cfg = ModelConfig(
         family="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,

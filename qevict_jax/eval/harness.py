@@ -24,9 +24,10 @@ from qevict_jax.eval.sweep import FULL, Job
 from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.registry import available_methods, configure, make_method, method_option, options_for
 from qevict_jax.runtime.compiled import EXECUTABLES
-from qevict_jax.runtime.generate import generate, generate_shared, teacher_forced
+from qevict_jax.runtime.generate import generate, generate_shared
 from qevict_jax.runtime.prefill import fit_method
 from qevict_jax.runtime.sampling import SamplerConfig
+from qevict_jax.runtime.teacher_forced import teacher_forced
 
 
 @dataclasses.dataclass(frozen=True)

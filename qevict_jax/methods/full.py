@@ -83,7 +83,7 @@ class FullKV:
 
     def prefill_attend_slice(self, q, k, v, cache: FullCache, ctx: LayerContext):
         """``prefill_attend`` on one layer's slice of the cache ([B, Hkv, C, D] fields), for a shared prefill
-        (``prefill.Fanout``) whose layer scan hands every member its slice and the prompt attention."""
+        (``fanout.Fanout``) whose layer scan hands every member its slice and the prompt attention."""
         if ctx.prompt_attention is not None:
             out = ctx.prompt_attention[0]
         else:

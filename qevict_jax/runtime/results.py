@@ -56,7 +56,7 @@ class GenerationResult:
 
 @dataclasses.dataclass
 class TeacherForcedResult:
-    """Log-probabilities of teacher-forced decoding (``generate.teacher_forced``) and the cache's measured size
+    """Log-probabilities of teacher-forced decoding (``teacher_forced.teacher_forced``) and the cache's measured size
     against the uncompressed cache of every row's final length."""
 
     logprobs: np.ndarray  # [B, T, V] float32 log-probabilities at each target position

@@ -1,0 +1,63 @@
+"""Several methods' caches from one prompt pass (``Fanout``): the method ``generate_shared`` prefills with."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+
+from models.attention import prompt_attention
+from models.config import ModelConfig
+from qevict_jax.core.kv import CacheRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class Fanout:
+    """Several methods' caches built by one prompt pass.
+
+    A method only decides what its cache keeps: the prompt pass's outputs (hence the first token) are the
+    same for every method, so an evaluation of many methods on one prompt needs one prefill, not one per
+    method. The layer scan hands every member its layer's slice (a stacked-cache method such as Full-KV
+    prefills through its ``prefill_attend_slice``). The cache is the tuple of the members' caches;
+    ``budget_tokens`` is per member.
+    """
+
+    methods: tuple[Any, ...]
+    name: str = "fanout"
+    chunk: int = 512
+    stacked_cache: ClassVar[bool] = False  # its members' caches are handed one layer's slice each
+
+    def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> tuple[Any, ...]:
+        """One cache per member, each sized for its own ``request.budget_tokens``."""
+        return tuple(
+            m.init_cache(dataclasses.replace(request, budget_tokens=bt), prompt_lengths)
+            for m, bt in zip(self.methods, request.budget_tokens, strict=True)
+        )
+
+    def weights(self, model_cfg: ModelConfig) -> tuple[Any, ...]:
+        """Every member's learned parameters (``KVMethod.weights``), in order."""
+        return tuple(m.weights(model_cfg) for m in self.methods)
+
+    def prefill_attend(self, q, k, v, caches, ctx):
+        """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression
+        (each with its own ``weights``)."""
+        lengths = caches[0].length
+        att = prompt_attention(
+            q,
+            k,
+            v,
+            positions=ctx.positions,
+            lengths=lengths,
+            sliding_window=ctx.cfg.sliding_window,
+            chunk=self.chunk,
+        )
+        ctx = dataclasses.replace(ctx, prompt_attention=att)
+        weights = ctx.weights if ctx.weights is not None else (None,) * len(self.methods)
+        pairs = [
+            (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(
+                q, k, v, c, dataclasses.replace(ctx, weights=w)
+            )
+            for m, c, w in zip(self.methods, caches, weights, strict=True)
+        ]
+        return pairs[0][0], tuple(c for _, c in pairs)
