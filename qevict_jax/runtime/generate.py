@@ -174,8 +174,7 @@ def generate_shared(
     else:
         groups = [(list(range(len(methods))), Fanout(tuple(methods)), budgets)]
     for members, prefill_method, budget_tokens in groups:
-        t0 = time.perf_counter()
-        static, inputs = _prefill_call(
+        first, caches, prefill_s, compile_s = run_prefill(
             graphdef=graphdef,
             state=state,
             tokens=tokens,
@@ -188,9 +187,6 @@ def generate_shared(
             kv_dtype=kv_dtype,
             mesh=mesh,
         )
-        (first, caches), compile_s = EXECUTABLES.run(prefill_jit, static, **inputs)
-        first.block_until_ready()
-        prefill_s = time.perf_counter() - t0 - compile_s
         if not isinstance(prefill_method, Fanout):
             caches = (caches,)
         for i, cache in zip(members, caches, strict=True):
@@ -243,6 +239,16 @@ def _prefill_call(
     key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
     inputs = dict(state=state, tokens=place_rows(tokens, mesh), lengths=place_rows(lengths, mesh), rng=key)
     return static, inputs
+
+
+def run_prefill(**call: Any) -> tuple[jax.Array, Any, float, float]:
+    """Run ``prefill_jit`` on ``_prefill_call(**call)``'s arguments: (first token [B], cache, seconds of the
+    prompt pass, seconds compiling), the first excluding the second."""
+    t0 = time.perf_counter()
+    static, inputs = _prefill_call(**call)
+    (first, cache), compile_s = EXECUTABLES.run(prefill_jit, static, **inputs)
+    first.block_until_ready()
+    return first, cache, time.perf_counter() - t0 - compile_s, compile_s
 
 
 def lower_prefill(
