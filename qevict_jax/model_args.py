@@ -58,18 +58,18 @@ def check_counts(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def read_prompt_file(path: Path) -> str:
-    """The text of ``--prompt-file``; a ValueError naming the file when it is missing, a folder or not
-    text."""
+def read_prompt_file(path: Path, *, option: str = "--prompt-file") -> str:
+    """The text of the file ``path`` given to ``option``; a ValueError naming both when it is missing, a folder
+    or not text."""
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(
-            f"--prompt-file {path} is not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); "
+            f"{option} {path} is not UTF-8 text (byte {err.start} is {err.object[err.start]:#04x}); "
             "give a text file"
         ) from None
     except OSError as err:  # missing, a folder, unreadable
-        raise ValueError(f"--prompt-file {path}: {err.strerror or err}") from None
+        raise ValueError(f"{option} {path}: {err.strerror or err}") from None
 
 
 def kv_dtype(args: argparse.Namespace) -> Any:

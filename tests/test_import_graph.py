@@ -141,7 +141,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # generation: sees methods only through the protocol (``RUNTIME_SEES_ONLY_THE_PROTOCOL``)
     ("runtime", ("qevict_jax.runtime", "qevict_jax.runtime.*")),
     # the one-import façade (methods by name from the registry, a model by name) and the package itself
-    ("api", ("qevict_jax", "qevict_jax.pipeline", "qevict_jax.model_args")),
+    ("api", ("qevict_jax", "qevict_jax.pipeline", "qevict_jax.compressed", "qevict_jax.model_args")),
     ("eval", ("qevict_jax.eval", "qevict_jax.eval.*", "qevict_jax.diagnostics", "qevict_jax.diagnostics.*")),
     # gate training (reads the evaluation's prose as training text)
     ("training", ("qevict_jax.training", "qevict_jax.training.*")),

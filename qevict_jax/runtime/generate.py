@@ -32,6 +32,7 @@ from qevict_jax.runtime.prefill import (
     pad_prompts,
     prefill_call,
     prefill_jit,
+    run_prefill,
     split_questions,
     tokens_for_budget,
 )
@@ -211,8 +212,7 @@ def generate_shared(
     else:
         groups = [(list(range(len(methods))), Fanout(tuple(methods)), budgets)]
     for members, prefill_method, budget_tokens in groups:
-        t0 = time.perf_counter()
-        static, inputs = prefill_call(
+        first, caches, prefill_s, compile_s = run_prefill(
             model_cfg=model.cfg,
             graphdef=graphdef,
             state=state,
@@ -226,9 +226,6 @@ def generate_shared(
             kv_dtype=kv_dtype,
             mesh=mesh,
         )
-        (first, caches), compile_s = EXECUTABLES.run(prefill_jit, static, **inputs)
-        first.block_until_ready()
-        prefill_s = time.perf_counter() - t0 - compile_s
         if not isinstance(prefill_method, Fanout):
             caches = (caches,)
         for i, cache in zip(members, caches, strict=True):

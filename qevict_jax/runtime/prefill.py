@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from models.model import Transformer
 from qevict_jax.core.budget import BudgetTooSmallError
 from qevict_jax.core.kv import CacheRequest, KVMethod, cache_nbytes, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context, place_replicated, place_rows
-from qevict_jax.runtime.compiled import bucket_floor, bucket_length
+from qevict_jax.runtime.compiled import EXECUTABLES, bucket_floor, bucket_length
 from qevict_jax.runtime.sampling import SamplerConfig, sample
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -361,3 +362,13 @@ def prefill_call(
     key = place_replicated(jax.random.split(jax.random.key(seed), 3)[0], mesh)
     inputs = dict(state=state, tokens=place_rows(tokens, mesh), lengths=place_rows(lengths, mesh), rng=key)
     return static, inputs | {"weights": method_weights(method, model_cfg, mesh)}
+
+
+def run_prefill(**call: Any) -> tuple[jax.Array, Any, float, float]:
+    """Run ``prefill_jit`` on ``prefill_call(**call)``'s arguments: (first token [B], cache, seconds of the
+    prompt pass, seconds compiling), the first excluding the second."""
+    t0 = time.perf_counter()
+    static, inputs = prefill_call(**call)
+    (first, cache), compile_s = EXECUTABLES.run(prefill_jit, static, **inputs)
+    first.block_until_ready()
+    return first, cache, time.perf_counter() - t0 - compile_s, compile_s
