@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from models.convert import convert
 from models.tokenizer import token_index
-from qevict_jax.compressed import DEFAULT_QUESTION_AGNOSTIC_METHOD, QUESTION_SEPARATOR, ContextPrompt
+from qevict_jax.cli_ask import add_ask_parser, cmd_ask
+from qevict_jax.cli_train import add_train_gates_parser, cmd_train_gates
+from qevict_jax.compressed import QUESTION_SEPARATOR
 from qevict_jax.core.sharding import make_mesh
 from qevict_jax.diagnostics.run import add_diagnose_parser, cmd_diagnose
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
@@ -26,13 +27,19 @@ from qevict_jax.methods.registry import (
     options_for,
     parse_set_options,
 )
-from qevict_jax.model_args import add_model_args, check_counts, eos_ids, kv_dtype, load, read_prompt_file
-from qevict_jax.pipeline import Pipeline
-from qevict_jax.runtime.compressed import check_room
+from qevict_jax.model_args import (
+    add_model_args,
+    add_sampler_args,
+    check_counts,
+    eos_ids,
+    kv_dtype,
+    load,
+    method_budget,
+    read_prompt_file,
+)
 from qevict_jax.runtime.distributed import env_processes, initialize_from_env, is_main, launch, run_main
 from qevict_jax.runtime.generate import SamplerConfig, generate
 from qevict_jax.runtime.streaming import TextStream
-from qevict_jax.training.train_gates import TrainConfig, load_text, train
 
 
 def _add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
@@ -44,13 +51,6 @@ def _add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     else:
         p.add_argument("--method", default="full", help="KV-cache method (see `qevict methods`)")
         p.add_argument("--budget", type=float, default=0.2, help="budget β: fraction of full-KV bytes")
-
-
-def _add_sampler_args(p: argparse.ArgumentParser, max_new: int) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", action="store_true", help=argparse.SUPPRESS)  # renamed --pallas: an error
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     _add_method_args(p)
-    _add_sampler_args(p, 64)
+    add_sampler_args(p, 64)
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument(
         "--stream",
@@ -110,27 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --processes: fake CPU devices per process (XLA_FLAGS=--xla_force_host_platform_device_count)",
     )
 
-    p = sub.add_parser(
-        "ask",
-        help="compress a context once, before any question, then answer every --question from it (one batch)",
-    )
-    add_model_args(p)
-    p.add_argument("--context-file", type=Path, required=True, help="the context (UTF-8 text)")
-    p.add_argument(
-        "--question",
-        action="append",
-        help="a question about the context; repeat for more (answered together)",
-    )
-    p.add_argument(
-        "--method",
-        default=DEFAULT_QUESTION_AGNOSTIC_METHOD,
-        help=f"KV-cache method (default {DEFAULT_QUESTION_AGNOSTIC_METHOD}, the best question-agnostic one "
-        "in the records: docs/generate.md)",
-    )
-    p.add_argument("--budget", type=float, default=0.2, help="budget β: fraction of full-KV bytes")
-    p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
-    _add_sampler_args(p, 64)
-    p.add_argument("--json", action="store_true", help="print one JSON line")
+    add_ask_parser(sub)
 
     p = sub.add_parser(
         "needle", help="seeded needle-in-a-haystack prompts over pydoc prose; accuracy per method"
@@ -147,31 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_diagnose_parser(sub)
     sub.add_parser("methods", help="list the available KV-cache methods")
 
-    p = sub.add_parser(
-        "train-gates",
-        help="train learned retention gates (TRIM-KV) with the model frozen; resumes from --out",
-    )
-    add_model_args(p)
-    p.add_argument(
-        "--text", default="pydoc", help="training prose: a text file, or pydoc (the Python manual)"
-    )
-    p.add_argument("--steps", type=int, default=100, help="total optimizer steps (a resumed run continues)")
-    p.add_argument("--memory", type=float, default=128.0, help="memory size M of the capacity term")
-    p.add_argument("--out", type=Path, required=True, help="checkpoint folder (resumed from its latest step)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
-    p.add_argument("--save-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this much training")
+    add_train_gates_parser(sub)
     return parser
-
-
-def _budget(method) -> float:
-    """The byte budget β of a budgeted method, 1.0 for methods that keep everything."""
-    return 1.0 if method.budget is None else method.budget
 
 
 def _encode_prompt(tok, context: str, question: str | None, chat: bool) -> tuple[list[int], int]:
@@ -239,7 +196,7 @@ def cmd_generate(args) -> int:
     record = {
         "text": out,
         "method": method.name,
-        "budget": _budget(method),
+        "budget": method_budget(method),
         "compressed": res.compressed,
         "budget_used": res.method.budget if res.compressed else None,  # the least β where `budget` cannot
         "note": res.note,
@@ -277,92 +234,6 @@ def cmd_generate(args) -> int:
             f"({res.cache_bytes} / {res.full_kv_bytes} bytes)",
             file=sys.stderr,
         )
-    return 0
-
-
-def cmd_ask(args) -> int:
-    """Compress ``--context-file`` once, sized for the longest question, then answer every ``--question`` as
-    one batch; every input is checked before the context is compressed."""
-    opts = options_for(args.method, parse_set_options(args.set))
-    method = make_method(args.method, args.budget, **opts)
-    check_counts(args, "max_new_tokens")
-    SamplerConfig(args.max_new_tokens, args.temperature, args.top_p)  # --temperature, --top-p: before loading
-    if not args.question:
-        raise ValueError("--question: give at least one question (repeat --question for more)")
-    for i, q in enumerate(args.question):
-        if not q.strip():
-            raise ValueError(f"--question {i + 1} is empty")
-    text = read_prompt_file(args.context_file, option="--context-file")
-    if not text.strip():
-        raise ValueError(f"--context-file {args.context_file} is empty: give the text to compress")
-    cfg, model, tok = load(args)
-    pipe = Pipeline(model=model, tokenizer=tok, kv_dtype=kv_dtype(args))
-    prompt = ContextPrompt.render(tok, text, chat=not args.no_chat)
-    # the questions' lengths checked against the model's context before anything is compressed
-    context_tokens = len(prompt.context_ids)
-    longest = 0
-    for i, q in enumerate(args.question):
-        n = len(prompt.question_ids(q, what=f"--question {i + 1}"))
-        check_room(context_tokens, n, args.max_new_tokens, cfg, what=f"--question {i + 1}")
-        longest = max(longest, n)
-    ctx = pipe.compress(
-        text,
-        method=method,
-        question_tokens=longest,  # one question: sized as `generate --question-agnostic` sizes it
-        max_new_tokens=args.max_new_tokens,
-        chat=not args.no_chat,
-        seed=args.seed,
-    )
-    answers = ctx.ask_many(
-        args.question,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
-    res = answers[0].result
-    if args.json:
-        record = {
-            "method": method.name,
-            "budget": _budget(method),
-            "compressed": ctx.compressed,
-            "context_tokens": ctx.context_tokens,
-            "cache_bytes": ctx.cache_bytes,
-            "full_kv_bytes": ctx.full_kv_bytes,
-            "memory_ratio": ctx.memory_ratio,
-            "compress_s": ctx.prefill_s,
-            "compile_s": ctx.compile_s + res.compile_s,
-            "ttft_s": res.ttft_s,
-            "decode_tokens_per_s": res.decode_tokens_per_s,
-            "answers": [
-                {
-                    "question": a.question,
-                    "text": a.text,
-                    "question_tokens": a.question_tokens,
-                    "new_tokens": len(a.tokens),
-                    "cache_bytes": a.cache_bytes,
-                    "full_kv_bytes": a.full_kv_bytes,
-                    "memory_ratio": a.memory_ratio,
-                }
-                for a in answers
-            ],
-        }
-        print(json.dumps(record))
-        return 0
-    if method.uses_budget and not ctx.compressed:
-        print(
-            f"note: {method.name} kept every token: the {ctx.context_tokens}-token context is too short to "
-            "gain from compression",
-            file=sys.stderr,
-        )
-    for a in answers:
-        print(f"Q: {a.question}\nA: {a.text}\n")
-    print(
-        f"[{method.name}] context {ctx.context_tokens} tokens compressed once to {ctx.cache_bytes} bytes "
-        f"(memory ratio {ctx.memory_ratio:.3f}) in {ctx.prefill_s:.2f}s; {len(answers)} answers as "
-        f"one batch: TTFT {res.ttft_s:.2f}s, decode {res.decode_tokens_per_s:.1f} tok/s",
-        file=sys.stderr,
-    )
     return 0
 
 
@@ -410,7 +281,7 @@ def cmd_needle(args) -> int:
                     json.dumps(
                         {
                             "method": method.name,
-                            "budget": _budget(method),
+                            "budget": method_budget(method),
                             "answer": answer,
                             "expected": s.answer,
                             "correct": ok,
@@ -423,14 +294,14 @@ def cmd_needle(args) -> int:
                 )
             else:
                 print(
-                    f"  {method.name:>14} β={_budget(method):<5} depth={s.depth:.2f} "
+                    f"  {method.name:>14} β={method_budget(method):<5} depth={s.depth:.2f} "
                     f"prompt={len(ids)} ok={ok} answer={answer.strip()!r} (expected {s.answer})",
                     file=sys.stderr,
                 )
         rows.append(
             (
                 method.name,
-                _budget(method),
+                method_budget(method),
                 correct / len(prompts),
                 sum(ratios) / len(ratios),
                 sum(ttft) / len(ttft),
@@ -456,33 +327,6 @@ def cmd_convert(args) -> int:
 
 def cmd_methods(args) -> int:
     print("\n".join(available_methods()))
-    return 0
-
-
-def run_train_gates(args: argparse.Namespace, model, tok) -> dict:
-    """``qevict train-gates`` with a loaded model and tokenizer: tokenize ``--text``, train, print a summary."""
-    ids = np.asarray(tok.encode(load_text(args.text), add_bos=False), np.int32)
-    tcfg = TrainConfig(
-        steps=args.steps,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        memory=args.memory,
-        lr=args.lr,
-        warmup=args.warmup,
-        clip=args.clip,
-        seed=args.seed,
-        save_every=args.save_every,
-    )
-    max_s = None if args.max_minutes is None else 60.0 * args.max_minutes
-    extra = {"model": args.model, "text": args.text, "text_tokens": len(ids)}
-    summary = train(model, ids, tcfg, args.out, max_seconds=max_s, extra_config=extra)
-    print(json.dumps(summary))
-    return summary
-
-
-def cmd_train_gates(args) -> int:
-    _, model, tok = load(args)
-    run_train_gates(args, model, tok)
     return 0
 
 

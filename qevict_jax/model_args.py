@@ -87,3 +87,16 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Tokenizer]:
 def eos_ids(cfg: Any, tok: Tokenizer) -> tuple[int, ...]:
     """Stop tokens: the model config's and the tokenizer's."""
     return tuple(sorted(set(cfg.eos_token_ids) | set(tok.eos_token_ids)))
+
+
+def add_sampler_args(p: argparse.ArgumentParser, max_new: int) -> None:
+    """--max-new-tokens (default ``max_new``), --temperature, --top-p, --seed."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def method_budget(method) -> float:
+    """The byte budget β of a budgeted method, 1.0 for methods that keep everything."""
+    return 1.0 if method.budget is None else method.budget

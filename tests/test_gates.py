@@ -15,7 +15,8 @@ from tiny import decisive_model, roomy_method
 
 from models.attention import chunked_attention, dense_attention
 from models.config import ModelConfig
-from qevict_jax.cli import build_parser, run_train_gates
+from qevict_jax.cli import build_parser
+from qevict_jax.cli_train import run_train_gates
 from qevict_jax.eval.testing import ByteTokenizer, tiny_model
 from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.gate_methods import GATE_METHODS
@@ -272,7 +273,9 @@ def test_gate_methods_with_room_for_everything_equal_full_kv(tiny, trained):
     targets = np.asarray(ids[PROMPT : PROMPT + 6])[None]
     ref = teacher_forced(model, [prompt], targets, FullKV()).logprobs
     for name in GATE_METHODS:
-        got = teacher_forced(model, [prompt], targets, roomy_method(name, CFG, PROMPT + 6, gates=trained)).logprobs
+        got = teacher_forced(
+            model, [prompt], targets, roomy_method(name, CFG, PROMPT + 6, gates=trained)
+        ).logprobs
         np.testing.assert_allclose(got, ref, atol=1e-4)
 
 

@@ -145,7 +145,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval", ("qevict_jax.eval", "qevict_jax.eval.*", "qevict_jax.diagnostics", "qevict_jax.diagnostics.*")),
     # gate training (reads the evaluation's prose as training text)
     ("training", ("qevict_jax.training", "qevict_jax.training.*")),
-    ("cli", ("qevict_jax.cli",)),
+    ("cli", ("qevict_jax.cli", "qevict_jax.cli_ask", "qevict_jax.cli_train")),
 )
 """Every module of the three packages in one layer, bottom first (docs/design.md §2)."""
 
