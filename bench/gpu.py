@@ -51,7 +51,6 @@ from throughput import LLAMA31_8B, device_peak, program_peak, prompts_for, relea
 from models.config import ModelConfig  # noqa: E402
 from models.model import Transformer  # noqa: E402
 from qevict_jax.methods.registry import make_method  # noqa: E402
-from qevict_jax.runtime.compiled import EXECUTABLES  # noqa: E402
 from qevict_jax.runtime.generate import generate  # noqa: E402
 from qevict_jax.runtime.sampling import SamplerConfig  # noqa: E402
 
@@ -222,8 +221,7 @@ def e2e_worker(plan: Plan, method_name: str, deadline_s: float) -> None:
                     raise
                 failed_at = context * batch
                 row["status"] = f"out of memory ({type(e).__name__})"
-            EXECUTABLES.clear()
-            release()
+            release()  # forget the row's programs and buffers before the next row
         print("E2E " + json.dumps(row), flush=True)
 
 
