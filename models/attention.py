@@ -248,6 +248,34 @@ def causal_column_mass(
     return _causal_blocks(query_chunk, jnp.zeros((b, hkv, g, t), jnp.float32), t, chunk)
 
 
+def causal_column_max(
+    q: jax.Array, k: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array, lse: jax.Array, q_rows: jax.Array,
+    sliding_window: int | None, chunk: int,
+) -> jax.Array:  # fmt: skip
+    """Column maxima [B, Hkv, T] f32 of the causal attention probabilities of ``flash_causal_attention``
+    (same blocks, same logits, lse [B, Hkv, G, T] its log-sum-exp): for each key, the largest probability
+    any query of ``q_rows`` [B, T] bool gives it, over the G query heads of its KV head (0: none)."""
+    b, t, h, _ = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+
+    def query_chunk(best, qs, qlen, key_blocks):
+        qi = _query_block(q, qs, qlen, hkv)
+        lse_i = jax.lax.dynamic_slice_in_dim(lse, qs, qlen, 3).reshape(b, hkv, g * qlen)
+        rows = jnp.tile(jax.lax.dynamic_slice_in_dim(q_rows, qs, qlen, 1), (1, g))[:, None, :, None]
+
+        def block(best, ks, klen):
+            mask = _block_mask(q_pos, k_pos, qs, qlen, ks, klen, g, sliding_window) & rows
+            s = jnp.einsum("bkmd,bksd->bkms", qi, _key_block(k, ks, klen))
+            top = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0).max(axis=2)  # [B, Hkv, klen]
+            now = jax.lax.dynamic_slice_in_dim(best, ks, klen, 2)
+            return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(now, top), ks, 2)
+
+        return key_blocks(block, best)
+
+    return _causal_blocks(query_chunk, jnp.zeros((b, hkv, t), jnp.float32), t, chunk)
+
+
 def prompt_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array, lengths: jax.Array,
     sliding_window: int | None = None, chunk: int = 512,

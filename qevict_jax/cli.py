@@ -22,6 +22,7 @@ from qevict_jax.eval.needle import needle_correct, needle_prompt_text, needle_sa
 from qevict_jax.eval.tasks import floats, names
 from qevict_jax.methods.registry import (
     available_methods,
+    bind_tokenizer,
     cache_stats,
     make_method,
     options_for,
@@ -174,6 +175,7 @@ def cmd_generate(args) -> int:
     SamplerConfig(args.max_new_tokens, args.temperature, args.top_p)  # --temperature, --top-p: before loading
     text = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
     cfg, model, tok = load(args)
+    method = bind_tokenizer(method, tok)
     ids, question_start = _encode_prompt(tok, text, args.question, chat=not args.no_chat)
     sampler = SamplerConfig(args.max_new_tokens, args.temperature, args.top_p, eos_ids(cfg, tok))
     starts = [question_start] if args.question_agnostic else None
@@ -253,6 +255,7 @@ def cmd_needle(args) -> int:
         for b in [1.0] if name == "full" else budgets:
             runs.append(make_method(name, b, **options_for(name, scoped)))
     cfg, model, tok = load(args)
+    runs = [bind_tokenizer(m, tok) for m in runs]
     sampler = SamplerConfig(args.max_new_tokens, eos_ids=eos_ids(cfg, tok))
 
     def count(text: str) -> int:

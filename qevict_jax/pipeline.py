@@ -27,7 +27,7 @@ from models.registry import DEFAULT_MODEL, resolve_model
 from models.tokenizer import Tokenizer
 from qevict_jax.compressed import DEFAULT_QUESTION_AGNOSTIC_METHOD, CompressedContext, compress_context
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod
-from qevict_jax.methods.registry import make_method, parse_option_value
+from qevict_jax.methods.registry import bind_tokenizer, make_method, parse_option_value
 from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.results import GenerationResult
 from qevict_jax.runtime.sampling import SamplerConfig
@@ -162,7 +162,7 @@ class Pipeline:
             self.model,
             self.tokenizer,
             context,
-            resolve_method(method, budget, **options),
+            bind_tokenizer(resolve_method(method, budget, **options), self.tokenizer),
             eos_ids=self.sampler(1).eos_ids,
             question_tokens=question_tokens,
             max_new_tokens=max_new_tokens,
@@ -188,7 +188,7 @@ class Pipeline:
         """Generate an answer to ``prompt`` through ``method`` at ``budget`` (β; default 0.2) with ``options``;
         ``stream`` receives the answer's text piece by piece as it is produced (e.g. ``print`` with
         ``end=""``)."""
-        kv_method = resolve_method(method, budget, **options)
+        kv_method = bind_tokenizer(resolve_method(method, budget, **options), self.tokenizer)
         sampler = self.sampler(max_new_tokens, temperature, top_p)
         ids = self.encode(prompt, chat=chat)
         result = generate(
@@ -219,7 +219,7 @@ class Pipeline:
     ) -> Conversation:
         """A conversation whose turns are appended to one cache (``Conversation.send``), kept whole while the
         conversation is too short for ``method`` to gain and compressed from the first turn where it gains."""
-        kv_method = resolve_method(method, budget, **options)
+        kv_method = bind_tokenizer(resolve_method(method, budget, **options), self.tokenizer)
         return Conversation(self, kv_method, self.sampler(max_new_tokens, temperature, top_p), seed)
 
 

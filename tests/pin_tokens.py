@@ -48,7 +48,13 @@ from models.registry import cache_root, resolve_model
 from models.tokenizer import Tokenizer
 from qevict_jax.core.cache import SinkRingCache
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
-from qevict_jax.methods.registry import available_methods, cache_stats, default_method, make_method
+from qevict_jax.methods.registry import (
+    available_methods,
+    bind_tokenizer,
+    cache_stats,
+    default_method,
+    make_method,
+)
 from qevict_jax.rankings.gates import UNTRAINED
 from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared
 from qevict_jax.runtime.teacher_forced import teacher_forced
@@ -96,7 +102,7 @@ def prompt_ids(tok: Tokenizer) -> list[int]:
     return tok.encode(text + sample.answer_prefix)
 
 
-def pinned_methods() -> list[Any]:
+def pinned_methods(tok: Tokenizer) -> list[Any]:
     """Full-KV and every registered method but ``SKIPPED``, at β = ``BETA`` with its default options."""
     methods = []
     for name in available_methods():
@@ -106,7 +112,7 @@ def pinned_methods() -> list[Any]:
             methods.append(make_method(name))
             continue
         options = {"gates": UNTRAINED} if "gates" in default_method(name).options else {}
-        methods.append(make_method(name, BETA, **options))
+        methods.append(bind_tokenizer(make_method(name, BETA, **options), tok))
     return methods
 
 
@@ -128,7 +134,7 @@ def measure(model, tok: Tokenizer) -> dict[str, Any]:
     """One run of every pinned method on the fixed prompt: what the pins file holds."""
     ids = prompt_ids(tok)
     sampler = SamplerConfig(max_new_tokens=NEW_TOKENS)
-    methods = pinned_methods()
+    methods = pinned_methods(tok)
     t0 = time.perf_counter()
     shared = generate_shared(model, [ids], sampler, methods)
     t1 = time.perf_counter()
@@ -161,7 +167,7 @@ def tie_deficits(model, tok: Tokenizer, got: dict[str, Any], pins: dict[str, Any
     """Per method whose tokens in ``got`` (shared or alone) differ from the ``pins``': the deficit of each
     pinned token under teacher forcing [NEW_TOKENS] (best log-probability minus the pinned token's, >= 0)."""
     ids = prompt_ids(tok)
-    by_name = {m.name: m for m in pinned_methods()}
+    by_name = {m.name: m for m in pinned_methods(tok)}
     differ = sorted(
         name
         for name, want in pins["methods"].items()

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import decisive_model, tiny_llama
+from tiny import decisive_model, tiny_llama, with_repeat_prompt
 
 from qevict_jax.core.budget import (
     BudgetedTiers,
@@ -89,7 +89,7 @@ def _roomy(name: str, tokens: int):
     if name == "full" or name.startswith("kivi"):
         return make_method(name, **kw)
     # half the uncompressed bytes: every method compresses, and decode-time methods have events
-    return make_method(name, budget_bytes=full_kv_bytes(MODEL, tokens, jnp.bfloat16) // 2, **kw)
+    return with_repeat_prompt(make_method(name, budget_bytes=full_kv_bytes(MODEL, tokens, jnp.bfloat16) // 2, **kw))
 
 
 @pytest.mark.parametrize("name", available_methods())

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import decisive_model, roomy_method
+from tiny import decisive_model, roomy_method, with_repeat_prompt
 
 from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.kv import full_kv_bytes
@@ -68,7 +68,7 @@ def test_every_method_on_smollm2(smol, name):
     kw = {"recent": 32} if name in (*VARIANTS, "qevict-gates") else {}  # R = 128 does not fit at this β
     if "gates" in default_method(name).options:
         kw["gates"] = UNTRAINED  # no gate checkpoint ships with the package: untrained gates, said explicitly
-    method = make_method(name) if name == "full" else make_method(name, BETA, **kw)
+    method = make_method(name) if name == "full" else with_repeat_prompt(make_method(name, BETA, **kw))
     sampler = SamplerConfig(max_new_tokens=NEW)
     assert bucket_length(PROMPT) == bucket_length(PROMPT - 10)
     res = generate(model, [ids[:PROMPT]], sampler, method)

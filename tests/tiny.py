@@ -4,6 +4,7 @@ it), and loading a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -58,9 +59,18 @@ def load_bench(name: str) -> ModuleType:
     return module
 
 
+def with_repeat_prompt(method: Any, prompt: tuple[int, ...] = (3, 4, 5, 6)) -> Any:
+    """``method`` with a fixed reconstruction prompt where it reconstructs (kvzip), for a model that has no
+    tokenizer (``registry.bind_tokenizer`` gives a real one its own); any other method as it is."""
+    if method.reconstruction is None:
+        return method
+    return dataclasses.replace(method, repeat_prompt=prompt)
+
+
 def roomy_method(name: str, model_cfg: ModelConfig, tokens: int, **options: Any) -> Any:
     """Method ``name`` with room for every token of a ``tokens``-token sequence: a byte budget of four times
     its uncompressed float32 cache per row (β is a fraction in (0, 1], so room is given in bytes)."""
     if name == "full":
         return make_method(name, **options)
-    return make_method(name, budget_bytes=4 * full_kv_bytes(model_cfg, tokens, jnp.float32), **options)
+    budget_bytes = 4 * full_kv_bytes(model_cfg, tokens, jnp.float32)
+    return with_repeat_prompt(make_method(name, budget_bytes=budget_bytes, **options))

@@ -22,7 +22,14 @@ from qevict_jax.core.kv import DEFAULT_KV_DTYPE
 from qevict_jax.eval.fidelity import fidelity_stats
 from qevict_jax.eval.sweep import FULL, Job
 from qevict_jax.methods.full import FullKV
-from qevict_jax.methods.registry import available_methods, configure, make_method, method_option, options_for
+from qevict_jax.methods.registry import (
+    available_methods,
+    bind_tokenizer,
+    configure,
+    make_method,
+    method_option,
+    options_for,
+)
 from qevict_jax.runtime.compiled import EXECUTABLES
 from qevict_jax.runtime.generate import generate, generate_shared
 from qevict_jax.runtime.prefill import fit_method
@@ -166,6 +173,7 @@ class GenerationHarness:
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        methods = {key: bind_tokenizer(m, tokenizer) for key, m in methods.items()}
         self.model, self.tokenizer, self.methods = model, tokenizer, methods
         self.eos_ids = tuple(eos_ids)
         self.seed = seed

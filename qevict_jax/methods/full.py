@@ -30,6 +30,7 @@ class FullKV:
     uses_budget: ClassVar[bool] = False
     options: ClassVar[tuple[str, ...]] = ("prefill_chunk",)
     protects_recent: ClassVar[bool] = False
+    reconstruction: ClassVar[None] = None  # scores nothing before its prompt pass
 
     @property
     def budget(self) -> float | None:
@@ -121,6 +122,8 @@ class Compressing:
     prompt saves nothing the runtime runs Full-KV instead."""
 
     compresses: ClassVar[bool] = True
+    # what the prompt pass needs scored first (``reconstruction.Reconstruction``; the kvzip ranking), or None
+    reconstruction: Any = None
 
     def uncompressed(self) -> FullKV:
         return FullKV()

@@ -24,6 +24,7 @@ from qevict_jax.core.sharding import DATA, REPLICATED, on_shards, row_specs
 from qevict_jax.engines.migrate import route_stacked
 from qevict_jax.engines.window import decode_layer, fold_head_means, prefill_layer
 from qevict_jax.methods.full import Compressing
+from qevict_jax.rankings.reconstruction import Reconstruction
 from qevict_jax.rankings.scoring import Ranking, make_ranking
 
 QEVICT_OPTIONS = (
@@ -71,6 +72,7 @@ class WindowMethod(SizedByCapacities, Compressing):
     allocation: WindowAllocation = BudgetedTiers()
     options: tuple[str, ...] = QEVICT_OPTIONS
     protects_recent: bool = True
+    repeat_prompt: tuple[int, ...] = ()  # the kvzip ranking's repeat prompt (``reconstruction.repeat_prompt``)
 
     def __post_init__(self) -> None:
         if self.cache.static:
@@ -92,6 +94,13 @@ class WindowMethod(SizedByCapacities, Compressing):
             spill=self.spill_windows,
             q_spill=None if c.q_spill is None else self.covering_windows(c.q_spill),
         )
+
+    @property
+    def reconstruction(self) -> Reconstruction | None:
+        """The context reconstruction the kvzip ranking scores the prompt by, before the prompt pass."""
+        if self.cache.ranking != "kvzip":
+            return None
+        return Reconstruction(prompt=self.repeat_prompt, chunk=self.cache.prefill_chunk)
 
     @property
     def spill_windows(self) -> int:
@@ -183,6 +192,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # keys 4 bits, values 3; docs/quant_study.md), the format that reads well on both models; q_frac 0.70,
     # chosen on development samples (seed 1000) against q_frac 0.5 (docs/results.md)
     "qevict-crot": {"quant": "crot-k4v3"},
+    # QEvict with its F and Q tiers chosen by KVzip's context-reconstruction scores (``rankings.reconstruction``):
+    # for a context compressed before its question; and the same ranking with no Q tier (R2's layout), to
+    # measure what the Q tier adds
+    "qevict-kvzip": {**QEVICT_DEFAULT, "ranking": "kvzip"},
+    "r2-kvzip": {"window": 8, "q_frac": 0.0, "ranking": "kvzip"},
     # qevict-keynorm with the rotated Q tier: for a context compressed before its question
     "qevict-keynorm-rot": {"q_frac": 0.5, "ranking": "keynorm", "quant": "rot-k4v3"},
 }

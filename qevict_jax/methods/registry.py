@@ -21,6 +21,7 @@ from qevict_jax.methods.baselines import BASELINES
 from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.gate_methods import GATE_METHODS
 from qevict_jax.methods.qevict import VARIANTS, WindowMethod
+from qevict_jax.rankings.reconstruction import repeat_prompt
 
 
 def available_methods() -> list[str]:
@@ -104,6 +105,15 @@ def make_method(name: str, budget: float = 0.2, **options: Any) -> KVMethod:
     Question-agnostic compression is a way of calling ``generate`` (``question_starts``), for every method.
     """
     return configure(default_method(name), budget, **options)
+
+
+def bind_tokenizer(method: KVMethod, tokenizer: Any) -> KVMethod:
+    """``method`` with what it needs of the tokenizer (``models.tokenizer.Tokenizer``): the kvzip ranking's
+    repeat prompt (``reconstruction.repeat_prompt``) where it has none yet; any other method as it is."""
+    recon = method.reconstruction
+    if recon is None or recon.prompt:
+        return method
+    return dataclasses.replace(method, repeat_prompt=repeat_prompt(tokenizer))  # type: ignore[type-var]
 
 
 def method_option(method: KVMethod, name: str) -> Any:

@@ -15,16 +15,10 @@ and one or both of the prompt-time scores:
   (``qevict_jax.engines.pool``: the per-head eviction baselines, whose policy is one of these rankings plus an
   allocation rule, ``pool.Allocation``) — the rankings marked *token* below (``TokenRanking``).
 
-Rankings: "cumulative" (sum of mass, initialized from the observation window: the last ``n_obs`` prompt
-queries, as SnapKV and the paper's prompt attention do; the default), "cumulative-all" (the same sum over
-*every* prompt query, H2O-style: an ablation; *token*: H2O), "decayed" (score <- decay * score + mass),
-"pnorm" (sum of mass^p; rank-equivalent to the p-norm of the window's mass over queries), "headmax" (the
-observation mass of a window's most attentive query head instead of the head mean), "restkv" (ReST-KV
-output-change score at prefill, then cumulative; *token*: ReST-KV), "keynorm" (minus the mean key norm: low
-key norm = important; independent of attention; *token*: key-norm), "gates" (learned retention gates,
-``GateRanking``; independent of attention; *token*: TRIM-KV), "tova" (the current query's attention, every
-head alike; *token*: TOVA). Token only: SnapKV's pooled observation attention (``SnapKVRanking``) and
-CriticalKV's value-aware two-stage selection over it (``CriticalKVRanking``).
+Rankings (``RANKINGS``; each class says what it scores, *token* marks those the pool ranks with too):
+"cumulative" (the default), "cumulative-all" (H2O), "decayed", "pnorm", "headmax", "restkv" (ReST-KV),
+"keynorm" (key-norm), "gates" (TRIM-KV), "kvzip" (KVzip, question-agnostic). Token only, in
+``token_rankings``: TOVA, SnapKV, CriticalKV.
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from models.model import LayerContext
 from qevict_jax.rankings.attention_scores import (
@@ -52,6 +47,14 @@ from qevict_jax.rankings.windows import (
 )
 
 
+class TokenPrior(struct.PyTreeNode):
+    """Token scores computed before a method's prompt pass, handed to it as its traced ``weights``
+    (``LayerContext.weights``): scores [L, B, Hkv, T] f32, higher = keep (KVzip's reconstruction scores,
+    ``qevict_jax.rankings.reconstruction``)."""
+
+    scores: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptPass:
     """One layer's prompt pass: what the rankings' prompt-time scores read (built inside the traced prefill).
@@ -60,7 +63,8 @@ class PromptPass:
     not read it); lengths [B]: each row's valid tokens, the context end; column_mass [B, Hkv, G, T]: the
     attention each key received from every valid query (None where it was not computed); sliding_window:
     the layer's (None: none); wo [H*D, Dm]: the layer's output projection (ReST-KV, CriticalKV);
-    token_positions [B, T]: absolute positions (None: 0..T-1, a prompt that starts the sequence).
+    token_positions [B, T]: absolute positions (None: 0..T-1, a prompt that starts the sequence);
+    prior [B, Hkv, T]: this layer's scores from before the pass (``TokenPrior``), or None.
     """
 
     q: jax.Array
@@ -71,13 +75,15 @@ class PromptPass:
     sliding_window: int | None = None
     wo: jax.Array | None = None
     token_positions: jax.Array | None = None
+    prior: jax.Array | None = None
 
     @classmethod
     def of_layer(
         cls, q: jax.Array, k: jax.Array, v: jax.Array, *, lengths: jax.Array, column_mass: jax.Array, ctx: LayerContext
     ) -> PromptPass:
-        """The pass of the layer ``ctx`` (its sliding window, W_O and positions)."""
-        return cls(q, k, v, lengths, column_mass, ctx.cfg.sliding_window, ctx.wo, ctx.positions)
+        """The pass of the layer ``ctx`` (its sliding window, W_O, positions and ``TokenPrior`` slice)."""
+        prior = ctx.weights.scores[ctx.layer] if isinstance(ctx.weights, TokenPrior) else None
+        return cls(q, k, v, lengths, column_mass, ctx.cfg.sliding_window, ctx.wo, ctx.positions, prior)
 
     @property
     def positions(self) -> jax.Array:
@@ -341,6 +347,28 @@ class GateRanking(Ranking):
         return age[:, None, :] * self.gates().transpose(0, 2, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVzipRanking(Ranking):
+    """KVzip (arXiv 2505.23416): a token's score is the largest attention any query of its KV head's group
+    gives it while the model reconstructs the context (``reconstruction``; ``PromptPass.prior``), a window's
+    the maximum over its tokens and every KV head. Question-agnostic; decoding adds mass as "cumulative"."""
+
+    name: ClassVar[str] = "kvzip"
+
+    def _prior(self, prompt: PromptPass) -> jax.Array:
+        if prompt.prior is None:
+            raise ValueError("the kvzip ranking reads scores computed before the prompt pass (TokenPrior)")
+        return prompt.prior.astype(jnp.float32)
+
+    def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
+        valid = prompt.positions < prompt.lengths[:, None]
+        best = jnp.where(valid, self._prior(prompt).max(axis=1), GATE_FLOOR)  # [B, T]
+        return window_max(best, sink, window, num_windows)
+
+    def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
+        return self._prior(prompt)
+
+
 RANKINGS: dict[str, type[Ranking]] = {
     cls.name: cls
     for cls in (
@@ -352,6 +380,7 @@ RANKINGS: dict[str, type[Ranking]] = {
         KeyNormRanking,
         RestKVRanking,
         GateRanking,
+        KVzipRanking,
     )
 }
 """The rankings by name (``CacheConfig.ranking``, ``--set ranking=NAME``)."""

@@ -1,4 +1,5 @@
-"""Several methods' caches from one prompt pass (``Fanout``): the method ``generate_shared`` prefills with."""
+"""Several methods' caches from one prompt pass (``Fanout``): the method ``generate_shared`` prefills with;
+the scores a method needs before that pass (``with_reconstruction``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import jax
 
 from models.attention import prompt_attention
 from models.config import ModelConfig
+from models.model import Transformer
 from qevict_jax.core.kv import CacheRequest
+from qevict_jax.rankings.reconstruction import reconstruction_scores
+from qevict_jax.rankings.scoring import TokenPrior
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +31,7 @@ class Fanout:
     name: str = "fanout"
     chunk: int = 512
     stacked_cache: ClassVar[bool] = False  # its members' caches are handed one layer's slice each
+    reconstruction: ClassVar[None] = None  # its members' own (``with_reconstruction``)
 
     def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> tuple[Any, ...]:
         """One cache per member, each sized for its own ``request.budget_tokens``."""
@@ -61,3 +66,22 @@ class Fanout:
             for m, c, w in zip(self.methods, caches, weights, strict=True)
         ]
         return pairs[0][0], tuple(c for _, c in pairs)
+
+
+def with_reconstruction(model: Transformer, method: Any, tokens, lengths, weights: Any) -> Any:
+    """``weights`` with each method (each member of a ``Fanout``) that scores its prompt before the pass
+    (``KVMethod.reconstruction``: KVzip) given those scores (``scoring.TokenPrior``), one pass per distinct
+    reconstruction, traced into the prefill's program."""
+    members = method.methods if isinstance(method, Fanout) else (method,)
+    if all(m.reconstruction is None for m in members):
+        return weights
+    own = weights if isinstance(method, Fanout) else (weights,)
+    scores: dict[Any, jax.Array] = {}
+    for m in members:
+        if m.reconstruction is not None and m.reconstruction not in scores:
+            scores[m.reconstruction] = reconstruction_scores(model, tokens, lengths, m.reconstruction)
+    own = tuple(
+        w if m.reconstruction is None else TokenPrior(scores=scores[m.reconstruction])
+        for m, w in zip(members, own, strict=True)
+    )
+    return own if isinstance(method, Fanout) else own[0]

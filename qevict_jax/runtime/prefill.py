@@ -23,6 +23,7 @@ from qevict_jax.core.budget import BudgetTooSmallError
 from qevict_jax.core.kv import CacheRequest, KVMethod, cache_nbytes, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context, place_replicated, place_rows
 from qevict_jax.runtime.compiled import EXECUTABLES, bucket_floor, bucket_length
+from qevict_jax.runtime.fanout import with_reconstruction
 from qevict_jax.runtime.sampling import SamplerConfig, sample
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -233,6 +234,7 @@ def prefill_logits(
     )  # fmt: skip
     cache = method.init_cache(request, lengths)
     cache = constrain_cache(cache, mesh)
+    weights = with_reconstruction(model, method, tokens, lengths, weights)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, cache = model(
         tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights

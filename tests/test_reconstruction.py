@@ -1,0 +1,159 @@
+"""KVzip's context reconstruction: the column maxima against float64, the whole pass against a float64
+reference on a tiny model (dense attention, each row alone, no padding), the kvzip pool's kept set against
+those scores, and the kvzip methods end to end with a context compressed before its question."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+from models.attention import causal_column_max, dense_attention, flash_causal_attention
+from qevict_jax.eval.testing import ByteTokenizer, tiny_model
+from qevict_jax.methods.registry import bind_tokenizer, make_method
+from qevict_jax.rankings.reconstruction import (
+    REPEAT_INSTRUCTION,
+    Reconstruction,
+    reconstruction_scores,
+    repeat_prompt,
+)
+from qevict_jax.runtime.generate import generate
+from qevict_jax.runtime.prefill import prefill_logits
+from qevict_jax.runtime.sampling import SamplerConfig
+
+PROMPT = (3, 4, 5, 6)
+
+
+def np_column_max(q, k, q_pos, k_pos, rows):
+    """float64: max over the G heads of each KV head and the queries in rows [B, T] -> [B, Hkv, T]."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    best = np.zeros((b, hkv, t))
+    for bi in range(b):
+        for hi in range(h):
+            s = q[bi, :, hi] @ k[bi, :, hi // g].T / np.sqrt(d)
+            ok = (k_pos[bi][None] <= q_pos[bi][:, None]) & (k_pos[bi][None] >= 0)
+            s = np.where(ok, s, -np.inf)
+            p = np.where(ok, np.exp(s - s.max(-1, keepdims=True)), 0.0)
+            p /= p.sum(-1, keepdims=True)
+            best[bi, hi // g] = np.maximum(best[bi, hi // g], (p * rows[bi][:, None]).max(0))
+    return best
+
+
+@pytest.mark.parametrize(("t", "chunk"), [(37, 8), (64, 16), (20, 64)])
+def test_column_max_matches_float64(t, chunk):
+    rs = np.random.RandomState(t)
+    b, h, hkv, d = 2, 4, 2, 8
+    q, k, v = rs.randn(b, t, h, d) * 1.5, rs.randn(b, t, hkv, d) * 1.5, rs.randn(b, t, hkv, d)
+    total = np.array([t, t - 5])
+    pos = np.broadcast_to(np.arange(t), (b, t))
+    k_pos = np.where(pos < total[:, None], pos, -1)
+    rows = (pos >= t // 2) & (pos < total[:, None])
+    f = lambda a: jnp.asarray(a, jnp.float32)
+    blocks = dict(q_pos=jnp.asarray(pos), k_pos=jnp.asarray(k_pos), sliding_window=None, chunk=chunk)
+    _, lse = flash_causal_attention(f(q), f(k), f(v), **blocks)
+    got = causal_column_max(f(q), f(k), lse=lse, q_rows=jnp.asarray(rows), **blocks)
+    np.testing.assert_allclose(np.asarray(got), np_column_max(q, k, pos, k_pos, rows), atol=2e-6)
+
+
+class Recorded(struct.PyTreeNode):
+    q: jax.Array  # [L, 1, T, H, D]
+    k: jax.Array  # [L, 1, T, Hkv, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorder:
+    """Dense attention of one unpadded row, recording every layer's post-RoPE q and k."""
+
+    stacked_cache: ClassVar[bool] = True
+
+    def prefill_attend(self, q, k, v, rec: Recorded, ctx):
+        out, _ = dense_attention(q, k, v, q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=None)
+        return out, rec.replace(q=rec.q.at[ctx.layer].set(q), k=rec.k.at[ctx.layer].set(k))
+
+
+def reference_scores(model, row: list[int], n_sink: int) -> np.ndarray:
+    """float64 KVzip scores [L, Hkv, len(row)] of one row: [row | PROMPT | row[n_sink:]] through dense
+    attention, then each prompt key's largest probability from a query past the row, per KV head."""
+    cfg = model.cfg
+    seq = np.array([*row, *PROMPT, *row[n_sink:]])[None]
+    t = seq.shape[1]
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    rec = Recorded(
+        q=jnp.zeros((cfg.num_layers, 1, t, cfg.num_heads, cfg.head_dim)),
+        k=jnp.zeros((cfg.num_layers, 1, t, cfg.num_kv_heads, cfg.head_dim)),
+    )
+    _, rec = model(jnp.asarray(seq), pos, rec, attend=Recorder().prefill_attend)
+    n = len(row)
+    rows = (np.arange(t) >= n)[None]
+    p = np.arange(t)[None]
+    out = [np_column_max(np.asarray(rec.q[i], np.float64), np.asarray(rec.k[i], np.float64), p, p, rows)[0, :, :n] for i in range(cfg.num_layers)]
+    return np.stack(out)
+
+
+def test_reconstruction_scores_match_float64_reference():
+    _, model = tiny_model(seed=1)
+    rs = np.random.RandomState(0)
+    rows = [list(rs.randint(2, 200, size=n)) for n in (70, 53)]
+    tokens = np.zeros((2, 80), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    recon = Reconstruction(prompt=PROMPT, n_sink=4, chunk=16)
+    got = np.asarray(reconstruction_scores(model, jnp.asarray(tokens), jnp.asarray([70, 53], jnp.int32), recon))
+    assert got.shape == (2, 2, 2, 80)  # [L, B, Hkv, P]
+    for i, r in enumerate(rows):
+        np.testing.assert_allclose(got[:, i, :, : len(r)], reference_scores(model, r, 4), atol=2e-5)
+        assert not got[:, i, :, len(r) :].any()
+
+
+def test_repeat_prompt_is_instruction_then_turn_change():
+    tok = ByteTokenizer()
+    assert repeat_prompt(tok) == tuple(tok.encode(REPEAT_INSTRUCTION + "<|assistant|>", add_bos=False))
+
+
+def test_kvzip_pool_keeps_each_layers_top_scores():
+    """The pool holds, per layer, the top Hkv * C scores over every head (no safeguard), sinks apart."""
+    cfg, model = tiny_model(seed=2)
+    rs = np.random.RandomState(1)
+    n = 200
+    tokens = jnp.asarray(rs.randint(2, 200, size=(1, n)), jnp.int32)
+    lengths = jnp.asarray([n], jnp.int32)
+    method = dataclasses.replace(make_method("kvzip", 0.3), repeat_prompt=PROMPT)
+    _, cache = jax.jit(
+        lambda t, ln: prefill_logits(model, t, ln, method, max_new_tokens=4, budget_tokens=n + 4, kv_dtype=jnp.float32)
+    )(tokens, lengths)
+    scores = np.asarray(reconstruction_scores(model, tokens, lengths, method.reconstruction))[:, 0]  # [L, Hkv, n]
+    slots = cache.pool_pos.shape[-1]
+    for layer in range(cfg.num_layers):
+        pos, head = np.asarray(cache.pool_pos[layer, 0]), np.asarray(cache.pool_head[layer, 0])
+        kept = {(int(h), int(p)) for p, h in zip(pos, head, strict=True) if p >= 0}
+        assert len(kept) == slots
+        eligible = scores[layer][:, 4:]  # past the 4 sinks; no recent region
+        order = np.argsort(-eligible.reshape(-1), kind="stable")[:slots]
+        want = {(int(i // (n - 4)), int(i % (n - 4)) + 4) for i in order}
+        cutoff = np.sort(eligible.reshape(-1))[::-1][slots - 1]
+        # equal to the reference's top set, up to ties at the cut
+        assert {x for x in kept ^ want if abs(scores[layer][x[0], x[1]] - cutoff) > 1e-6} == set()
+
+
+@pytest.mark.parametrize("name", ["kvzip", "qevict-kvzip", "r2-kvzip"])
+def test_kvzip_methods_compress_a_context_before_its_question(name):
+    _, model = tiny_model()
+    rs = np.random.RandomState(0)
+    prompts = [list(rs.randint(2, 200, size=n)) for n in (900, 800)]
+    method = bind_tokenizer(make_method(name, 0.3), ByteTokenizer())
+    result = generate(model, prompts, SamplerConfig(4), method, question_starts=[850, 760])
+    assert result.compressed and result.memory_ratio < 0.35
+    assert all(len(t) == 4 for t in result.tokens)
+
+
+def test_kvzip_without_its_repeat_prompt_is_a_clear_error():
+    _, model = tiny_model()
+    with pytest.raises(ValueError, match="repeat prompt"):
+        generate(model, [[i % 250 + 2 for i in range(900)]], SamplerConfig(2), make_method("kvzip", 0.3))
