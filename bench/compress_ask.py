@@ -20,7 +20,7 @@ from pathlib import Path
 from qevict_jax.cli import _encode_prompt
 from qevict_jax.compressed import DEFAULT_QUESTION_AGNOSTIC_METHOD, ContextPrompt
 from qevict_jax.eval.needle import prose_paragraphs
-from qevict_jax.methods.registry import make_method
+from qevict_jax.methods.registry import bind_tokenizer, make_method
 from qevict_jax.model_args import add_model_args, kv_dtype, load
 from qevict_jax.pipeline import Pipeline
 from qevict_jax.runtime.generate import generate
@@ -56,7 +56,7 @@ def main() -> None:
 
     cfg, model, tok = load(args)
     pipe = Pipeline(model=model, tokenizer=tok, kv_dtype=kv_dtype(args))
-    method = make_method(args.method, args.budget)
+    method = bind_tokenizer(make_method(args.method, args.budget), tok)
     text = context_text(lambda t: len(tok.encode(t)), args.context)
     questions = [q for _, q in FACTS]
     if args.write_context:

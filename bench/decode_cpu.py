@@ -30,7 +30,7 @@ from models.registry import model_source, resolve_model, transformers_args
 from models.tokenizer import Tokenizer
 from qevict_jax.core.budget import BudgetedTiers
 from qevict_jax.eval.needle import needle_prompt_text, needle_sample
-from qevict_jax.methods.registry import make_method
+from qevict_jax.methods.registry import bind_tokenizer, make_method
 from qevict_jax.model_args import add_model_arg
 from qevict_jax.pipeline import resolve_method
 from qevict_jax.runtime.compiled import EXECUTABLES
@@ -106,7 +106,7 @@ def main() -> None:
     g = args.new_tokens
     sampler = SamplerConfig(max_new_tokens=g)  # no EOS: every run decodes g tokens
     full = make_method("full", 1.0)
-    qevict = resolve_method(args.method, args.budget)
+    qevict = bind_tokenizer(resolve_method(args.method, args.budget), tok)
     if not isinstance(getattr(qevict, "allocation", None), BudgetedTiers):
         ap.error(f"--method {args.method!r}: not a budgeted window method (QEvict, R1-R4 and their variants)")
     no_routing = dataclasses.replace(qevict, allocation=NoDecodeRouting())
