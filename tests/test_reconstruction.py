@@ -5,15 +5,14 @@ those scores, and the kvzip methods end to end with a context compressed before 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import struct
+from tiny import record_qkv
 
-from models.attention import causal_column_max, dense_attention, flash_causal_attention
+from models.attention import causal_column_max, flash_causal_attention
 from qevict_jax.eval.testing import ByteTokenizer, tiny_model
 from qevict_jax.methods.registry import bind_tokenizer, make_method
 from qevict_jax.rankings.reconstruction import (
@@ -62,38 +61,15 @@ def test_column_max_matches_float64(t, chunk):
     np.testing.assert_allclose(np.asarray(got), np_column_max(q, k, pos, k_pos, rows), atol=2e-6)
 
 
-class Recorded(struct.PyTreeNode):
-    q: jax.Array  # [L, 1, T, H, D]
-    k: jax.Array  # [L, 1, T, Hkv, D]
-
-
-@dataclasses.dataclass(frozen=True)
-class Recorder:
-    """Dense attention of one unpadded row, recording every layer's post-RoPE q and k."""
-
-    stacked_cache: ClassVar[bool] = True
-
-    def prefill_attend(self, q, k, v, rec: Recorded, ctx):
-        out, _ = dense_attention(q, k, v, q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=None)
-        return out, rec.replace(q=rec.q.at[ctx.layer].set(q), k=rec.k.at[ctx.layer].set(k))
-
-
 def reference_scores(model, row: list[int], n_sink: int) -> np.ndarray:
     """float64 KVzip scores [L, Hkv, len(row)] of one row: [row | PROMPT | row[n_sink:]] through dense
     attention, then each prompt key's largest probability from a query past the row, per KV head."""
-    cfg = model.cfg
-    seq = np.array([*row, *PROMPT, *row[n_sink:]])[None]
-    t = seq.shape[1]
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    rec = Recorded(
-        q=jnp.zeros((cfg.num_layers, 1, t, cfg.num_heads, cfg.head_dim)),
-        k=jnp.zeros((cfg.num_layers, 1, t, cfg.num_kv_heads, cfg.head_dim)),
-    )
-    _, rec = model(jnp.asarray(seq), pos, rec, attend=Recorder().prefill_attend)
+    q, k, _ = record_qkv(model, [*row, *PROMPT, *row[n_sink:]])
+    t = q.shape[1]
     n = len(row)
     rows = (np.arange(t) >= n)[None]
     p = np.arange(t)[None]
-    out = [np_column_max(np.asarray(rec.q[i], np.float64), np.asarray(rec.k[i], np.float64), p, p, rows)[0, :, :n] for i in range(cfg.num_layers)]
+    out = [np_column_max(q[i][None], k[i][None], p, p, rows)[0, :, :n] for i in range(model.cfg.num_layers)]
     return np.stack(out)
 
 

@@ -9,12 +9,14 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
+from flax import nnx, struct
 
+from models.attention import dense_attention
 from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.core.kv import full_kv_bytes
@@ -74,3 +76,34 @@ def roomy_method(name: str, model_cfg: ModelConfig, tokens: int, **options: Any)
         return make_method(name, **options)
     budget_bytes = 4 * full_kv_bytes(model_cfg, tokens, jnp.float32)
     return with_repeat_prompt(make_method(name, budget_bytes=budget_bytes, **options))
+
+
+class Recorded(struct.PyTreeNode):
+    """Every layer's post-RoPE q [L, 1, T, H, D], k and v [L, 1, T, Hkv, D] of one row (``record_qkv``)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorder:
+    """Dense attention of one unpadded row, recording every layer's q, k and v into its ``Recorded``."""
+
+    stacked_cache: ClassVar[bool] = True
+
+    def prefill_attend(self, q, k, v, rec: Recorded, ctx):
+        out, _ = dense_attention(q, k, v, q_pos=ctx.positions, k_pos=ctx.positions, sliding_window=None)
+        return out, rec.replace(q=rec.q.at[ctx.layer].set(q), k=rec.k.at[ctx.layer].set(k), v=rec.v.at[ctx.layer].set(v))
+
+
+def record_qkv(model: Transformer, row: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One unpadded row of token ids [T] through ``model`` with dense attention at positions 0..T-1: every
+    layer's post-RoPE q [L, T, H, D], k and v [L, T, Hkv, D], float64 (the references' inputs)."""
+    cfg = model.cfg
+    t = len(row)
+    z = lambda h: jnp.zeros((cfg.num_layers, 1, t, h, cfg.head_dim))
+    rec = Recorded(q=z(cfg.num_heads), k=z(cfg.num_kv_heads), v=z(cfg.num_kv_heads))
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    _, rec = model(jnp.asarray(np.asarray(row))[None], pos, rec, attend=Recorder().prefill_attend)
+    return tuple(np.asarray(a[:, 0], np.float64) for a in (rec.q, rec.k, rec.v))

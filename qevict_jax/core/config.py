@@ -10,10 +10,15 @@ import dataclasses
 from pallas_kernels.formats import QUANT_NAMES, ChannelKeys, QuantFormat, quant_format
 from qevict_jax.core.bounds import Bound, check_bounds
 
-RANKINGS = ("cumulative", "cumulative-all", "decayed", "pnorm", "headmax", "keynorm", "restkv", "gates", "kvzip")
+RANKINGS = (
+    "cumulative", "cumulative-all", "decayed", "pnorm", "headmax", "keynorm", "restkv", "gates", "kvzip",
+    "expected-attention",
+)  # fmt: skip
 """The names ``CacheConfig.ranking`` accepts: those of ``scoring.RANKINGS`` (a test holds them equal). The
 configuration names a ranking and does not import the rankings: it sits below them (docs/design.md §2)."""
-LINEAR_RANKINGS = ("cumulative", "cumulative-all", "decayed", "headmax", "keynorm", "restkv", "gates", "kvzip")
+LINEAR_RANKINGS = (
+    "cumulative", "cumulative-all", "decayed", "headmax", "keynorm", "restkv", "gates", "kvzip", "expected-attention",
+)  # fmt: skip
 """The rankings whose ``update`` is linear in the mass (``ScoreDynamics.linear_in_mass``; a test holds them
 equal): those ``deferred_head_mean`` accepts."""
 

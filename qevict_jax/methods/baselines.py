@@ -16,6 +16,7 @@ one engine, composed, not inherited:
   allocation rule (``allocation``: ``pool.Allocation``, which does the top-k; the pool engine does the
   gather). Prompt-based methods compress once after prefill (``static``), decode-time methods (H2O, TOVA)
   re-rank every step with the ranking's ``update``.
+- KVzip, expected attention: the token-pool engine too, question-agnostic, in ``methods.agnostic``.
 
 Question-agnostic mode and later turns are the same for every method (``generate(question_starts=...)``,
 ``generate(past=...)``): the appended tokens go through the method's decode step, so a compress-once pool
@@ -46,14 +47,7 @@ from qevict_jax.core.kv import CacheRequest
 from qevict_jax.engines.pool import UNIFORM, Allocation, pool_decode_layer, pool_prefill_layer, route_pool_row
 from qevict_jax.methods.full import Compressing
 from qevict_jax.methods.qevict import WindowMethod
-from qevict_jax.rankings.reconstruction import Reconstruction
-from qevict_jax.rankings.scoring import (
-    CumulativeAllRanking,
-    KeyNormRanking,
-    KVzipRanking,
-    RestKVRanking,
-    TokenRanking,
-)
+from qevict_jax.rankings.scoring import CumulativeAllRanking, KeyNormRanking, RestKVRanking, TokenRanking
 from qevict_jax.rankings.token_rankings import CriticalKVRanking, SnapKVRanking, TOVARanking
 
 # ---------------------------------------------------------------------------------------------- window layouts
@@ -352,36 +346,6 @@ class ReSTKV(PoolMethod):
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class KVzip(PoolMethod):
-    """KVzip: query-agnostic eviction by context reconstruction, head-adaptive within each layer.
-
-    Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416
-    (kvpress ``KVzipPress``). A token's score: the largest attention any query of its KV head's group gives
-    it while the model reconstructs the prompt (``rankings.reconstruction``, a pass before the prompt pass).
-    The layer's ``Hkv * C`` slots go to the top scores over all its heads, with no safeguard; 4 sinks, no
-    recent region. By design each layer keeps the same number of tokens (kvpress ``layerwise=True``): its
-    default ranks all layers together, a split the layer scan's one pool shape would pay at the largest
-    layer's size (PyramidKV's padding, the module docstring).
-    """
-
-    name: str = "kvzip"
-    cache: CacheConfig = CacheConfig(sink=4, window=1, recent=0, q_frac=0.0, static=True)
-    repeat_prompt: tuple[int, ...] = ()  # ``reconstruction.repeat_prompt``, bound from the tokenizer
-
-    @property
-    def ranking(self) -> KVzipRanking:
-        return KVzipRanking()
-
-    @property
-    def allocation(self) -> Allocation:
-        return Allocation(adaptive=True, safeguard=0.0)
-
-    @property
-    def reconstruction(self) -> Reconstruction:
-        return Reconstruction(prompt=self.repeat_prompt, chunk=self.cache.prefill_chunk)
-
-
 BASELINES: dict[str, Any] = {
     "streamingllm": streaming_llm(),
     "h2o": H2O(),
@@ -392,7 +356,6 @@ BASELINES: dict[str, Any] = {
     "adakv": AdaKV(),
     "criticalkv": CriticalKV(),
     "restkv": ReSTKV(),
-    "kvzip": KVzip(),
     "kivi2": kivi(bits=2),
     "kivi4": kivi(bits=4),
 }

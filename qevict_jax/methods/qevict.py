@@ -197,6 +197,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # measure what the Q tier adds
     "qevict-kvzip": {**QEVICT_DEFAULT, "ranking": "kvzip"},
     "r2-kvzip": {"window": 8, "q_frac": 0.0, "ranking": "kvzip"},
+    # the same two with expected attention's tiers (``rankings.expected_attention``: closed form from the
+    # prompt's own query statistics, no pass before the prompt's), the other question-agnostic signal
+    "qevict-ea": {**QEVICT_DEFAULT, "ranking": "expected-attention"},
+    "r2-ea": {"window": 8, "q_frac": 0.0, "ranking": "expected-attention"},
     # qevict-keynorm with the rotated Q tier: for a context compressed before its question
     "qevict-keynorm-rot": {"q_frac": 0.5, "ranking": "keynorm", "quant": "rot-k4v3"},
 }

@@ -17,6 +17,7 @@ from qevict_jax.core.cache import SinkRingCache, TieredCache
 from qevict_jax.core.config import CacheConfig, cache_option_rule
 from qevict_jax.core.kv import KVMethod
 from qevict_jax.core.sharding import to_host
+from qevict_jax.methods.agnostic import AGNOSTIC_BASELINES
 from qevict_jax.methods.baselines import BASELINES
 from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.gate_methods import GATE_METHODS
@@ -26,7 +27,7 @@ from qevict_jax.rankings.reconstruction import repeat_prompt
 
 def available_methods() -> list[str]:
     """Names accepted by ``make_method``: Full-KV, QEvict and its variants, every baseline, the gates."""
-    return ["full", *VARIANTS, *BASELINES, *GATE_METHODS]
+    return ["full", *VARIANTS, *BASELINES, *AGNOSTIC_BASELINES, *GATE_METHODS]
 
 
 def default_method(name: str) -> KVMethod:
@@ -37,6 +38,8 @@ def default_method(name: str) -> KVMethod:
         return WindowMethod(name=name, cache=CacheConfig(**VARIANTS[name]))
     if name in BASELINES:
         return BASELINES[name]
+    if name in AGNOSTIC_BASELINES:
+        return AGNOSTIC_BASELINES[name]
     if name in GATE_METHODS:
         return GATE_METHODS[name]
     raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")

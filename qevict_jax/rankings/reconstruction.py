@@ -5,7 +5,7 @@ The model reads the prompt, then a short "repeat the previous context" prompt, t
 (teacher-forced). To reproduce the context it must attend to every fact in it, so the largest attention a
 KV pair receives from any reconstruction query of its KV head's group says how much a later question could
 need it, whatever the question. The scores ([L, B, Hkv, T]) reach the method's prompt pass as its traced
-``weights`` (``scoring.TokenPrior``) and the ``kvzip`` ranking (``scoring.KVzipRanking``) reads them, in the
+``weights`` (``prompt.TokenPrior``) and the ``kvzip`` ranking (``scoring.KVzipRanking``) reads them, in the
 token pool and in the window engine alike.
 
 One pass over [prompt | repeat prompt | prompt after its sinks] computes them (``reconstruction_scores``):

@@ -17,8 +17,8 @@ and one or both of the prompt-time scores:
 
 Rankings (``RANKINGS``; each class says what it scores, *token* marks those the pool ranks with too):
 "cumulative" (the default), "cumulative-all" (H2O), "decayed", "pnorm", "headmax", "restkv" (ReST-KV),
-"keynorm" (key-norm), "gates" (TRIM-KV), "kvzip" (KVzip, question-agnostic). Token only, in
-``token_rankings``: TOVA, SnapKV, CriticalKV.
+"keynorm" (key-norm), "gates" (TRIM-KV); question-agnostic: "kvzip" (KVzip), "expected-attention". Token
+only, in ``token_rankings``: TOVA, SnapKV, CriticalKV.
 """
 
 from __future__ import annotations
@@ -28,14 +28,10 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from models.model import LayerContext
-from qevict_jax.rankings.attention_scores import (
-    observation_attention,
-    observation_mass,
-    restkv_scores,
-)
+from qevict_jax.rankings.attention_scores import observation_attention, observation_mass, restkv_scores
+from qevict_jax.rankings.expected_attention import N_FUTURE_POSITIONS, expected_attention_scores
+from qevict_jax.rankings.prompt import PromptPass
 from qevict_jax.rankings.windows import (
     GATE_FLOOR,
     key_norm_score,
@@ -45,52 +41,6 @@ from qevict_jax.rankings.windows import (
     window_max,
     window_sums,
 )
-
-
-class TokenPrior(struct.PyTreeNode):
-    """Token scores computed before a method's prompt pass, handed to it as its traced ``weights``
-    (``LayerContext.weights``): scores [L, B, Hkv, T] f32, higher = keep (KVzip's reconstruction scores,
-    ``qevict_jax.rankings.reconstruction``)."""
-
-    scores: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptPass:
-    """One layer's prompt pass: what the rankings' prompt-time scores read (built inside the traced prefill).
-
-    q [B, T, H, D], k, v [B, T, Hkv, D]: post-RoPE, rows right-padded (v may be None for rankings that do
-    not read it); lengths [B]: each row's valid tokens, the context end; column_mass [B, Hkv, G, T]: the
-    attention each key received from every valid query (None where it was not computed); sliding_window:
-    the layer's (None: none); wo [H*D, Dm]: the layer's output projection (ReST-KV, CriticalKV);
-    token_positions [B, T]: absolute positions (None: 0..T-1, a prompt that starts the sequence);
-    prior [B, Hkv, T]: this layer's scores from before the pass (``TokenPrior``), or None.
-    """
-
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array | None
-    lengths: jax.Array
-    column_mass: jax.Array | None = None
-    sliding_window: int | None = None
-    wo: jax.Array | None = None
-    token_positions: jax.Array | None = None
-    prior: jax.Array | None = None
-
-    @classmethod
-    def of_layer(
-        cls, q: jax.Array, k: jax.Array, v: jax.Array, *, lengths: jax.Array, column_mass: jax.Array, ctx: LayerContext
-    ) -> PromptPass:
-        """The pass of the layer ``ctx`` (its sliding window, W_O, positions and ``TokenPrior`` slice)."""
-        prior = ctx.weights.scores[ctx.layer] if isinstance(ctx.weights, TokenPrior) else None
-        return cls(q, k, v, lengths, column_mass, ctx.cfg.sliding_window, ctx.wo, ctx.positions, prior)
-
-    @property
-    def positions(self) -> jax.Array:
-        """[B, T] (or [1, T]) int32 absolute positions of the prompt's tokens."""
-        if self.token_positions is not None:
-            return self.token_positions
-        return jnp.arange(self.q.shape[1], dtype=jnp.int32)[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +319,25 @@ class KVzipRanking(Ranking):
         return self._prior(prompt)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttentionRanking(KVzipRanking):
+    """Expected attention (arXiv 2510.00636; kvpress ``ExpectedAttentionPress``): a token's score is
+    ``expected_attention_scores`` of the prompt pass (the press's defaults but ``epsilon``: kvpress's
+    leaderboard runs 0.01, the press's own default is 0); windows and decoding as "kvzip"."""
+
+    epsilon: float = 0.01
+    n_future_positions: int = N_FUTURE_POSITIONS
+    name: ClassVar[str] = "expected-attention"
+
+    def _prior(self, prompt: PromptPass) -> jax.Array:
+        if prompt.v is None or prompt.inv_freq is None:
+            raise ValueError("the expected-attention ranking needs the values and the layer's RoPE frequencies")
+        return expected_attention_scores(
+            prompt.q, prompt.k, prompt.v, positions=prompt.positions, lengths=prompt.lengths,
+            inv_freq=prompt.inv_freq, n_future_positions=self.n_future_positions, epsilon=self.epsilon,
+        )  # fmt: skip
+
+
 RANKINGS: dict[str, type[Ranking]] = {
     cls.name: cls
     for cls in (
@@ -381,6 +350,7 @@ RANKINGS: dict[str, type[Ranking]] = {
         RestKVRanking,
         GateRanking,
         KVzipRanking,
+        ExpectedAttentionRanking,
     )
 }
 """The rankings by name (``CacheConfig.ranking``, ``--set ranking=NAME``)."""

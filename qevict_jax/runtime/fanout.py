@@ -12,8 +12,8 @@ from models.attention import prompt_attention
 from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.core.kv import CacheRequest
+from qevict_jax.rankings.prompt import TokenPrior
 from qevict_jax.rankings.reconstruction import reconstruction_scores
-from qevict_jax.rankings.scoring import TokenPrior
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Fanout:
 
 def with_reconstruction(model: Transformer, method: Any, tokens, lengths, weights: Any) -> Any:
     """``weights`` with each method (each member of a ``Fanout``) that scores its prompt before the pass
-    (``KVMethod.reconstruction``: KVzip) given those scores (``scoring.TokenPrior``), one pass per distinct
+    (``KVMethod.reconstruction``: KVzip) given those scores (``prompt.TokenPrior``), one pass per distinct
     reconstruction, traced into the prefill's program."""
     members = method.methods if isinstance(method, Fanout) else (method,)
     if all(m.reconstruction is None for m in members):
