@@ -110,7 +110,9 @@ def chunked_attention(
     if causal_blocks is None:
         causal_blocks = tq == k.shape[1]
     if not causal_blocks:
-        return _scan_chunked_attention(q, k, v, q_pos, k_pos, q_valid, sliding_window=sliding_window, chunk=chunk)
+        return _scan_chunked_attention(
+            q, k, v, q_pos, k_pos, q_valid, sliding_window=sliding_window, chunk=chunk
+        )
     blocks = dict(q_pos=q_pos, k_pos=k_pos, sliding_window=sliding_window, chunk=chunk)
     out, lse = flash_causal_attention(q, k, v, **blocks)
     mass = causal_column_mass(q, k, lse=lse, q_valid=q_valid, **blocks)
@@ -131,20 +133,24 @@ def over_blocks(fn: Callable[..., Any], carry: Any, t: int, size: int, count: An
     return carry
 
 
-def _causal_blocks(query_chunk: Callable[..., Any], carry: Any, t: int, chunk: int) -> Any:
-    """Visit every causal (query chunk, key block) pair of T = t tokens once, in order of query chunks.
+def _causal_blocks(query_chunk: Callable[..., Any], carry: Any, t: int, chunk: int, offset: int = 0) -> Any:
+    """Visit every causal (query chunk, key block) pair of t queries, the last t of ``offset + t`` keys, once,
+    in order of query chunks (``offset``: a multiple of ``chunk``; 0 when queries and keys are one sequence).
 
     ``carry = query_chunk(carry, qs, qlen, key_blocks)`` runs for each query chunk [qs, qs + qlen)
     (``over_blocks``: the full chunks in a loop, then the tail). ``key_blocks(block, c)`` runs
     ``c = block(c, ks, klen)`` over the key blocks [ks, ks + klen) up to and including the chunk's own.
     """
+    if offset % chunk:
+        raise ValueError(f"the keys before the queries ({offset}) must be a multiple of the chunk ({chunk})")
     n = t // chunk
 
     def one(carry, qs, qlen):
-        if qlen == chunk:  # full chunk i = qs / chunk: key blocks 0..i
-            key_blocks = lambda block, c: over_blocks(block, c, t, chunk, count=qs // chunk + 1)
+        if qlen == chunk:  # full chunk i = qs / chunk: key blocks 0..offset / chunk + i
+            count = (offset + qs) // chunk + 1
+            key_blocks = lambda block, c: over_blocks(block, c, offset + t, chunk, count=count)
         else:  # the tail chunk: every full key block, then its own (the tail)
-            key_blocks = lambda block, c: over_blocks(block, c, n * chunk + qlen, chunk)
+            key_blocks = lambda block, c: over_blocks(block, c, offset + n * chunk + qlen, chunk)
         return query_chunk(carry, qs, qlen, key_blocks)
 
     return over_blocks(one, carry, t, chunk)
@@ -175,9 +181,10 @@ def flash_causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array,
     sliding_window: int | None, chunk: int,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
-    """Causal attention of q [B, T, H, D] over the same tokens' k, v [B, T, Hkv, D] (positions q_pos, k_pos
-    [B, T], non-decreasing; k_pos -1 = invalid key) in blocks of ``chunk`` queries x ``chunk`` keys with an
-    online softmax (running max m, sum l, output accumulator; key blocks after the query chunk skipped).
+    """Causal attention of q [B, T, H, D] over k, v [B, S + T, Hkv, D]: the queries are the last T of the
+    keys' tokens (S a multiple of ``chunk``; 0: the same tokens). Positions q_pos [B, T], k_pos [B, S + T],
+    non-decreasing; k_pos -1 = invalid key. Blocks of ``chunk`` queries x ``chunk`` keys with an online
+    softmax (running max m, sum l, output accumulator; key blocks after the query chunk skipped).
 
     Returns (out [B, T, H, D] in q's dtype, log-sum-exp [B, Hkv, G, T] f32 of each query's logits; a query
     with no visible key has out 0 and lse 0). Working memory: a few [B, H, chunk, chunk] f32 blocks.
@@ -215,7 +222,7 @@ def flash_causal_attention(
         return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_i, qs, 3)
 
     init = (jnp.zeros(q.shape, q.dtype), jnp.zeros((b, hkv, g, t), jnp.float32))
-    return _causal_blocks(query_chunk, init, t, chunk)
+    return _causal_blocks(query_chunk, init, t, chunk, offset=k.shape[1] - t)
 
 
 def causal_column_mass(
@@ -248,18 +255,21 @@ def causal_column_mass(
     return _causal_blocks(query_chunk, jnp.zeros((b, hkv, g, t), jnp.float32), t, chunk)
 
 
-def causal_column_max(
+def column_max(
     q: jax.Array, k: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array, lse: jax.Array, q_rows: jax.Array,
     sliding_window: int | None, chunk: int,
 ) -> jax.Array:  # fmt: skip
-    """Column maxima [B, Hkv, T] f32 of the causal attention probabilities of ``flash_causal_attention``
-    (same blocks, same logits, lse [B, Hkv, G, T] its log-sum-exp): for each key, the largest probability
-    any query of ``q_rows`` [B, T] bool gives it, over the G query heads of its KV head (0: none)."""
+    """Column maxima [B, Hkv, S] f32 of attention probabilities: for each key of k [B, S, Hkv, D] (positions
+    k_pos [B, S], -1 invalid), the largest probability any query of q [B, T, H, D] (positions q_pos [B, T])
+    in ``q_rows`` [B, T] bool gives it, over the G query heads of its KV head (0: none). The probabilities
+    are ``exp(logit - lse)`` with each query's log-sum-exp lse [B, Hkv, G, T] over all the keys it sees
+    (``flash_causal_attention``'s), so k may be any subset of them. Every (query chunk, key block) pair is
+    visited, masked by positions: meant for keys that precede the queries."""
     b, t, h, _ = q.shape
     hkv = k.shape[2]
     g = h // hkv
 
-    def query_chunk(best, qs, qlen, key_blocks):
+    def query_chunk(best, qs, qlen):
         qi = _query_block(q, qs, qlen, hkv)
         lse_i = jax.lax.dynamic_slice_in_dim(lse, qs, qlen, 3).reshape(b, hkv, g * qlen)
         rows = jnp.tile(jax.lax.dynamic_slice_in_dim(q_rows, qs, qlen, 1), (1, g))[:, None, :, None]
@@ -271,9 +281,9 @@ def causal_column_max(
             now = jax.lax.dynamic_slice_in_dim(best, ks, klen, 2)
             return jax.lax.dynamic_update_slice_in_dim(best, jnp.maximum(now, top), ks, 2)
 
-        return key_blocks(block, best)
+        return over_blocks(block, best, k.shape[1], chunk)
 
-    return _causal_blocks(query_chunk, jnp.zeros((b, hkv, t), jnp.float32), t, chunk)
+    return over_blocks(query_chunk, jnp.zeros((b, hkv, k.shape[1]), jnp.float32), t, chunk)
 
 
 def prompt_attention(

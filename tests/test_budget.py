@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+from typing import ClassVar
 
 import chex
 import jax
@@ -12,7 +13,6 @@ import jax.numpy as jnp
 import pytest
 
 from models.config import ModelConfig
-from qevict_jax.core import config
 from qevict_jax.core.budget import solve_capacities
 from qevict_jax.core.config import CacheConfig
 from qevict_jax.core.kv import CacheRequest, cache_nbytes, full_kv_bytes
@@ -123,18 +123,41 @@ def test_config_errors_are_clear():
         CacheConfig(window=8, recent=12)
     with pytest.raises(ValueError, match="bits must be 2 or 4"):
         CacheConfig(bits=3)
-    with pytest.raises(ValueError, match="unknown ranking"):
-        CacheConfig(ranking="random")
+    with pytest.raises(ValueError, match="unknown ranking 'random'; available: cumulative, .*kvzip"):
+        make_method("qevict", ranking="random")
     with pytest.raises(ValueError, match="unknown method"):
         make_method("nope")
     with pytest.raises(ValueError, match="has no option 'windw'"):
         make_method("qevict", windw=8)
 
 
-def test_the_configuration_names_every_ranking():
-    """``CacheConfig`` validates ranking names without importing the rankings (it sits below them): its list
-    is the rankings' own, in the same order (the error lists them)."""
-    assert tuple(scoring.RANKINGS) == config.RANKINGS
+def test_a_ranking_registers_where_it_is_defined():
+    """A ranking class decorated with ``scoring.register`` is a ranking name everywhere, with no other edit:
+    the window methods take it (``--set ranking=``), its dynamics decide what ``deferred_head_mean`` allows;
+    every module of the package is imported before a name is looked up, so the question-agnostic rankings
+    (each in its own module) are there; a second class under a taken name is refused."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Squared(scoring.Ranking):
+        name: ClassVar[str] = "test-squared"
+        linear_in_mass: ClassVar[bool] = False
+
+        def update(self, score, mass):
+            return score + mass**2
+
+    try:
+        scoring.register(Squared)
+        method = make_method("qevict", 0.2, ranking="test-squared")
+        assert isinstance(method.ranking, Squared) and method.ranking.n_obs == method.cache.n_obs
+        with pytest.raises(ValueError, match="'test-squared' is not"):
+            make_method("qevict", 0.2, ranking="test-squared", deferred_head_mean=True)
+        with pytest.raises(ValueError, match="two rankings are named 'test-squared'"):
+            scoring.register(dataclasses.make_dataclass("Other", [], bases=(Squared,), frozen=True))
+    finally:
+        scoring.RANKINGS.pop("test-squared", None)
+    assert {"kvzip", "expected-attention", "gates", "cumulative"} <= set(scoring.available_rankings())
+    assert scoring.available_rankings()["kvzip"].reconstructs
+    assert not any(cls.reconstructs for name, cls in scoring.RANKINGS.items() if name != "kvzip")
 
 
 def test_recent_as_fraction_of_the_budget():

@@ -10,18 +10,6 @@ import dataclasses
 from pallas_kernels.formats import QUANT_NAMES, ChannelKeys, QuantFormat, quant_format
 from qevict_jax.core.bounds import Bound, check_bounds
 
-RANKINGS = (
-    "cumulative", "cumulative-all", "decayed", "pnorm", "headmax", "keynorm", "restkv", "gates", "kvzip",
-    "expected-attention",
-)  # fmt: skip
-"""The names ``CacheConfig.ranking`` accepts: those of ``scoring.RANKINGS`` (a test holds them equal). The
-configuration names a ranking and does not import the rankings: it sits below them (docs/design.md §2)."""
-LINEAR_RANKINGS = (
-    "cumulative", "cumulative-all", "decayed", "headmax", "keynorm", "restkv", "gates", "kvzip", "expected-attention",
-)  # fmt: skip
-"""The rankings whose ``update`` is linear in the mass (``ScoreDynamics.linear_in_mass``; a test holds them
-equal): those ``deferred_head_mean`` accepts."""
-
 Q_RANKS = ("score", "keynorm", "blend")
 """The names ``CacheConfig.q_rank`` accepts: how the windows not in F compete for the Q tier."""
 
@@ -46,7 +34,7 @@ CACHE_BOUNDS = (
 
 def cache_option_rule(name: str) -> str:
     """The valid values of ``CacheConfig`` field ``name`` in words (its range or choices; "" when free)."""
-    choices = {"ranking": RANKINGS, "q_rank": Q_RANKS, "quant": QUANT_NAMES}
+    choices = {"q_rank": Q_RANKS, "quant": QUANT_NAMES}
     if name in choices:
         return "one of " + ", ".join(choices[name])
     if name == "budget":
@@ -78,7 +66,8 @@ class CacheConfig:
         default), "cumulative-all" (initialized from every prompt query, H2O-style: ablation), "decayed"
         (exponentially decayed attention), "pnorm" (sum over queries of window mass to the power ``p``),
         "headmax" (the observation mass of the window's most attentive query head),
-        "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill).
+        "keynorm" (low key norm = important), "restkv" (ReST-KV output-change score at prefill); any name of
+        ``rankings.scoring.available_rankings``, checked by the window method that reads it.
     q_rank: how the windows that do not make F compete for the Q tier (F is always the top NF by the
         ranking): "score" (by the ranking's key, as F), "keynorm" (by minus the window's mean key norm,
         which no query changes, spilled as the score is: a context compressed before its question keeps
@@ -175,16 +164,8 @@ class CacheConfig:
                 f"q_bias_gate={self.q_bias_gate} gates the Q tier's discount, but q_logit_bias is 0 "
                 f"(no discount): set q_logit_bias < 0 too, or leave q_bias_gate unset"
             )
-        if self.ranking not in RANKINGS:
-            raise ValueError(f"unknown ranking {self.ranking!r}; available: {', '.join(RANKINGS)}")
         if self.q_rank not in Q_RANKS:
             raise ValueError(f"unknown q_rank {self.q_rank!r}; available: {', '.join(Q_RANKS)}")
-        if self.deferred_head_mean and self.ranking not in LINEAR_RANKINGS:
-            linear = ", ".join(LINEAR_RANKINGS)
-            raise ValueError(
-                f"deferred_head_mean needs a ranking linear in the attention mass (the head mean of running "
-                f"masses must equal the running mass of head means); {self.ranking!r} is not. Linear: {linear}"
-            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -69,9 +69,9 @@ class KVMethod(Protocol):
     Full-KV alone); uses_budget: sized by a byte budget β; options: names ``configure`` may set;
     protects_recent: has a protected recent region (``recent``) that a benchmark's protocol may set;
     stacked_cache: its attend fns take the whole stacked cache and ``ctx.layer`` (else one layer's slice);
-    budget: the β it runs at, None when no budget applies; reconstruction: what its prompt pass needs scored
-    before it (``rankings.reconstruction.Reconstruction``: the runtime hands the scores in as its traced
-    ``weights``), or None."""
+    budget: the β it runs at, None when no budget applies; reconstruction: the context reconstruction its prompt
+    pass runs (``rankings.reconstruction.Reconstruction``: the runtime hands each layer's scores in as its
+    traced ``weights``), or None."""
 
     name: str
     compresses: bool

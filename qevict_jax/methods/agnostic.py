@@ -1,7 +1,7 @@
 """The question-agnostic token-pool baselines (``baselines.PoolMethod``): scores that do not come from the
 prompt's last queries, for a context compressed before anyone knows its questions (issue 49).
 
-- KVzip: context reconstruction, a pass over [prompt | repeat prompt | prompt] before the prompt pass
+- KVzip: context reconstruction, a prompt pass over [prompt | repeat prompt | prompt]
   (``rankings.reconstruction``), kvpress ``KVzipPress``.
 - Expected attention: the attention the next queries are expected to pay each key, in closed form from the
   prompt's query statistics (``rankings.expected_attention``), kvpress ``ExpectedAttentionPress`` under
@@ -19,9 +19,8 @@ from typing import Any, ClassVar
 from qevict_jax.core.config import CacheConfig
 from qevict_jax.engines.pool import Allocation
 from qevict_jax.methods.baselines import PoolMethod
-from qevict_jax.rankings.expected_attention import N_FUTURE_POSITIONS
-from qevict_jax.rankings.reconstruction import Reconstruction
-from qevict_jax.rankings.scoring import ExpectedAttentionRanking, KVzipRanking
+from qevict_jax.rankings.expected_attention import N_FUTURE_POSITIONS, ExpectedAttentionRanking
+from qevict_jax.rankings.reconstruction import KVzipRanking, Reconstruction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +29,7 @@ class KVzip(PoolMethod):
 
     Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416
     (kvpress ``KVzipPress``). A token's score: the largest attention any query of its KV head's group gives
-    it while the model reconstructs the prompt (``rankings.reconstruction``, a pass before the prompt pass).
+    it while the model reconstructs the prompt (``rankings.reconstruction``, in the prompt's own pass).
     The layer's ``Hkv * C`` slots go to the top scores over all its heads, with no safeguard; 4 sinks, no
     recent region. By design each layer keeps the same number of tokens (kvpress ``layerwise=True``): its
     default ranks all layers together, a split the layer scan's one pool shape would pay at the largest

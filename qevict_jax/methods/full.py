@@ -30,7 +30,7 @@ class FullKV:
     uses_budget: ClassVar[bool] = False
     options: ClassVar[tuple[str, ...]] = ("prefill_chunk",)
     protects_recent: ClassVar[bool] = False
-    reconstruction: ClassVar[None] = None  # scores nothing before its prompt pass
+    reconstruction: ClassVar[None] = None  # reconstructs nothing in its prompt pass
 
     @property
     def budget(self) -> float | None:
@@ -122,7 +122,7 @@ class Compressing:
     prompt saves nothing the runtime runs Full-KV instead."""
 
     compresses: ClassVar[bool] = True
-    # what the prompt pass needs scored first (``reconstruction.Reconstruction``; the kvzip ranking), or None
+    # the context reconstruction its prompt pass runs (``reconstruction.Reconstruction``; the kvzip ranking), or None
     reconstruction: Any = None
 
     def uncompressed(self) -> FullKV:

@@ -25,7 +25,7 @@ from qevict_jax.engines.migrate import route_stacked
 from qevict_jax.engines.window import decode_layer, fold_head_means, prefill_layer
 from qevict_jax.methods.full import Compressing
 from qevict_jax.rankings.reconstruction import Reconstruction
-from qevict_jax.rankings.scoring import Ranking, make_ranking
+from qevict_jax.rankings.scoring import Ranking, available_rankings, make_ranking
 
 QEVICT_OPTIONS = (
     "sink",
@@ -77,6 +77,13 @@ class WindowMethod(SizedByCapacities, Compressing):
     def __post_init__(self) -> None:
         if self.cache.static:
             raise ValueError(f"{self.name}: static (compress-once) caches are the token pool's, not the window engine's")
+        ranking = self.ranking  # an unknown name is a ValueError listing the rankings
+        if self.cache.deferred_head_mean and not ranking.linear_in_mass:
+            linear = ", ".join(name for name, cls in available_rankings().items() if cls.linear_in_mass)
+            raise ValueError(
+                f"deferred_head_mean needs a ranking linear in the attention mass (the head mean of running "
+                f"masses must equal the running mass of head means); {ranking.name!r} is not. Linear: {linear}"
+            )
 
     @property
     def uses_budget(self) -> bool:
@@ -97,8 +104,8 @@ class WindowMethod(SizedByCapacities, Compressing):
 
     @property
     def reconstruction(self) -> Reconstruction | None:
-        """The context reconstruction the kvzip ranking scores the prompt by, before the prompt pass."""
-        if self.cache.ranking != "kvzip":
+        """The context reconstruction the kvzip ranking scores the prompt by, in the prompt pass."""
+        if not self.ranking.reconstructs:
             return None
         return Reconstruction(prompt=self.repeat_prompt, chunk=self.cache.prefill_chunk)
 

@@ -21,10 +21,15 @@ as if it attended to the whole prompt, and the logits are scaled by 1/sqrt(D) wh
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
 from models.attention import apply_rope, rope_cos_sin, rotate_half
+from qevict_jax.rankings.prompt import PromptPass
+from qevict_jax.rankings.scoring import PriorRanking, register
 
 N_FUTURE_POSITIONS = 512
 """Future positions the RoPE rotation is averaged over (kvpress's default)."""
@@ -112,3 +117,23 @@ def expected_attention_scores(
     best = jnp.max(scores, axis=(1, 2), keepdims=True)
     sink = (valid & (idx < n_sink))[:, None]
     return jnp.where(sink, best + 1.0, jnp.where(valid[:, None], scores, 0.0))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttentionRanking(PriorRanking):
+    """Expected attention (arXiv 2510.00636; kvpress ``ExpectedAttentionPress``): a token's score is
+    ``expected_attention_scores`` of the prompt pass (the press's defaults but ``epsilon``: kvpress's
+    leaderboard runs 0.01, the press's own default is 0). Question-agnostic."""
+
+    epsilon: float = 0.01
+    n_future_positions: int = N_FUTURE_POSITIONS
+    name: ClassVar[str] = "expected-attention"
+
+    def token_prior(self, prompt: PromptPass) -> jax.Array:
+        if prompt.v is None or prompt.inv_freq is None:
+            raise ValueError("the expected-attention ranking needs the values and the layer's RoPE frequencies")
+        return expected_attention_scores(
+            prompt.q, prompt.k, prompt.v, positions=prompt.positions, lengths=prompt.lengths,
+            inv_freq=prompt.inv_freq, n_future_positions=self.n_future_positions, epsilon=self.epsilon,
+        )  # fmt: skip

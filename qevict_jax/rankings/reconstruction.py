@@ -1,21 +1,23 @@
 """KVzip's context reconstruction (Kim et al., arXiv 2505.23416; kvpress ``KVzipPress``): a question-agnostic
-importance score for every KV pair of a prompt, computed before the method's prompt pass.
+importance score for every KV pair of a prompt, computed in the prompt's own pass.
 
 The model reads the prompt, then a short "repeat the previous context" prompt, then the prompt again
 (teacher-forced). To reproduce the context it must attend to every fact in it, so the largest attention a
 KV pair receives from any reconstruction query of its KV head's group says how much a later question could
-need it, whatever the question. The scores ([L, B, Hkv, T]) reach the method's prompt pass as its traced
-``weights`` (``prompt.TokenPrior``) and the ``kvzip`` ranking (``scoring.KVzipRanking``) reads them, in the
-token pool and in the window engine alike.
+need it, whatever the question. The scores ([L, B, Hkv, T]) reach the method as its traced ``weights``
+(``prompt.TokenPrior``) and the ``kvzip`` ranking (``KVzipRanking``, here) reads them, in the token pool
+and in the window engine alike.
 
-One pass over [prompt | repeat prompt | prompt after its sinks] computes them (``reconstruction_scores``):
-the first part is the same causal prefill as the prompt's own, the rest attends over all of it through
-the flash blocks (``models.attention``), so memory stays a few [B, H, chunk, chunk] blocks at any length and
-the program compiles once per prompt bucket. Differences from kvpress 0.5.5, by design: the whole prompt
-after its ``n_sink`` sink tokens is reconstructed in one piece (kvpress splits the context after the chat
-template's prefix into chunks of 2048 tokens, each with its own repeat prompt, and normalizes each chunk's
-scores over the sinks, that chunk and its repeat); below 2048 tokens the two are the same computation when
-the prompt's prefix is its sinks.
+One pass over [prompt | repeat prompt | prompt after its sinks] (``Reconstruction.layout``) is both the
+prompt's prefill and its reconstruction (``ReconstructionPass``): in each layer the method compresses the
+prompt's keys as in its own prompt pass, given that layer's scores, and the reconstruction rows attend over
+everything through the flash blocks (``models.attention``), so memory stays a few [B, H, chunk, chunk]
+blocks at any length and the program compiles once per prompt bucket. The pass costs about a prefill of
+twice the prompt, where the prompt's own is one. Differences from kvpress 0.5.5, by design: the whole
+prompt after its ``n_sink`` sink tokens is reconstructed in one piece (kvpress splits the context after the
+chat template's prefix into chunks of 2048 tokens, each with its own repeat prompt, and normalizes each
+chunk's scores over the sinks, that chunk and its repeat); below 2048 tokens the two are the same
+computation when the prompt's prefix is its sinks.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import causal_column_max, flash_causal_attention
-from models.model import LayerContext
+from models.attention import column_max, flash_causal_attention
+from models.model import LayerContext, read_layer, write_layer
+from qevict_jax.rankings.prompt import PromptPass, TokenPrior
+from qevict_jax.rankings.scoring import PriorRanking, register
 
 REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly."
 """KVzip's reconstruction instruction (kvpress ``KVzipPress.prepare``, its first chunk)."""
@@ -59,69 +63,156 @@ class Reconstruction:
                 "method through qevict_jax.load(...) or the CLI, or registry.bind_tokenizer(method, tokenizer)"
             )
 
-    def layout(self, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens [B, P] right-padded, lengths [B] -> (the pass's tokens [B, 2P + n] right-padded: each row's
-        prompt, the repeat prompt of n tokens, the prompt after its sinks; each row's length [B])."""
+    def blocks(self, p: int) -> tuple[int, int]:
+        """(the pass's block size, the start S of its reconstruction rows) for prompts of width ``p``: S is
+        ``p`` rounded up to the block, so that the reconstruction rows start on a block boundary."""
+        chunk = min(self.chunk, p)
+        return chunk, -(-p // chunk) * chunk
+
+    def layout(self, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """tokens [B, P] right-padded, lengths [B] -> the pass's (tokens, positions, key positions), each
+        [B, S + n + P]: the prompts as given (positions 0..P-1, as in their own prefill) and padding up to S
+        (``blocks``), then from S each row's repeat prompt of n tokens and its prompt after its sinks at the
+        positions that continue its prompt, then padding. Key positions are -1 on every padding token."""
         b, p = tokens.shape
         n = len(self.prompt)
+        _, start = self.blocks(p)
         sink = jnp.minimum(self.n_sink, lengths)[:, None]
-        pos = jnp.arange(2 * p + n, dtype=jnp.int32)[None]
         length = lengths[:, None]
-        in_repeat = (pos >= length) & (pos < length + n)
-        source = jnp.where(pos < length, pos, pos - length - n + sink)  # the prompt position it copies
-        copied = jnp.take_along_axis(tokens, jnp.clip(source, 0, p - 1), axis=1)
-        instruction = jnp.asarray(self.prompt, tokens.dtype)[jnp.clip(pos - length, 0, n - 1)]
-        total = 2 * lengths + n - sink[:, 0]
-        out = jnp.where(in_repeat, instruction, copied)
-        return jnp.where(pos < total[:, None], out, 0).astype(tokens.dtype), total
+        i = jnp.arange(n + p, dtype=jnp.int32)[None]  # index in the reconstruction rows
+        copied = jnp.take_along_axis(tokens, jnp.clip(i - n + sink, 0, p - 1), axis=1)
+        instruction = jnp.asarray(self.prompt, tokens.dtype)[jnp.clip(i, 0, n - 1)]
+        rows_valid = i < n + length - sink
+        rows = jnp.where(i < n, instruction, jnp.where(rows_valid, copied, 0)).astype(tokens.dtype)
+        rows_pos = length + i
+        prompt_pos = jnp.broadcast_to(jnp.arange(start, dtype=jnp.int32), (b, start))
+        pad = jnp.zeros((b, start - p), tokens.dtype)
+        out = jnp.concatenate([tokens, pad, rows], axis=1)
+        positions = jnp.concatenate([prompt_pos, jnp.where(rows_valid, rows_pos, 0)], axis=1)
+        k_pos = jnp.concatenate(
+            [jnp.where(prompt_pos < length, prompt_pos, -1), jnp.where(rows_valid, rows_pos, -1)], 1
+        )
+        return out, positions, k_pos
 
 
-class ReconstructionScores(struct.PyTreeNode):
-    """The pass's state: scores [L, B, Hkv, P] f32 (0 past a row's prompt), lengths [B] (the prompts'),
-    total [B] (the pass's row lengths)."""
+class ReconstructionState(struct.PyTreeNode):
+    """The pass's state: scores [L, B, Hkv, P] f32 (0 past a row's prompt), key positions [B, S + n + P]
+    (``Reconstruction.layout``'s), and the cache of the method whose prompt pass it is (None: scores only)."""
 
     scores: jax.Array
-    lengths: jax.Array
-    total: jax.Array
+    k_pos: jax.Array
+    cache: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ReconstructionPass:
-    """The attend fn of the reconstruction pass: causal attention over the whole row, and each prompt key's
-    largest probability from a query past the prompt (the repeat) over its group, into its layer's scores."""
+    """The attend fn of the pass over ``Reconstruction.layout``'s rows (S: where the reconstruction starts).
 
-    chunk: int = 512
-    stacked_cache: ClassVar[bool] = True  # the whole [L, ...] score buffer rides in the layer scan
+    In each layer: the reconstruction rows attend causally over everything; each prompt key's largest
+    probability from a reconstruction query of its group becomes this layer's scores; then the prompt rows
+    are the ``method``'s own prompt pass (``prefill_attend``, given the scores as its ``TokenPrior``) or,
+    without a method, plain causal attention. ``prior``: where the scores go in the method's ``weights``,
+    None for all of them (one method), else a flag per member of a tuple of weights (a shared prefill's).
+    """
 
-    def prefill_attend(self, q, k, v, state: ReconstructionScores, ctx: LayerContext):
-        """q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE -> (out [B, T, H, D], state with this layer's scores)."""
-        positions = ctx.positions
-        valid = positions < state.total[:, None]
-        k_pos = jnp.where(valid, positions, -1)
-        blocks = dict(q_pos=positions, k_pos=k_pos, sliding_window=ctx.cfg.sliding_window, chunk=self.chunk)
-        out, lse = flash_causal_attention(q, k, v, **blocks)
-        rows = valid & (positions >= state.lengths[:, None])
-        best = causal_column_max(q, k, lse=lse, q_rows=rows, **blocks)  # [B, Hkv, T]
-        p = state.scores.shape[-1]
-        best = jnp.where(jnp.arange(p)[None, None] < state.lengths[:, None, None], best[..., :p], 0.0)
-        return out, state.replace(scores=state.scores.at[ctx.layer].set(best))
+    start: int
+    chunk: int
+    method: Any = None
+    prior: tuple[bool, ...] | None = None
+    stacked_cache: ClassVar[bool] = True  # the [L, ...] score buffer rides in the layer scan
+
+    def prefill_attend(self, q, k, v, state: ReconstructionState, ctx: LayerContext):
+        """q [B, W, H, D], k, v [B, W, Hkv, D] post-RoPE -> (out [B, W, H, D], state with this layer's scores
+        and the method's compressed layer)."""
+        s, p = self.start, state.scores.shape[-1]
+        blocks = dict(sliding_window=ctx.cfg.sliding_window, chunk=self.chunk)
+        q_pos, k_pos = ctx.positions[:, s:], state.k_pos
+        rec, lse = flash_causal_attention(q[:, s:], k, v, q_pos=q_pos, k_pos=k_pos, **blocks)
+        best = column_max(
+            q[:, s:], k[:, :p], q_pos=q_pos, k_pos=k_pos[:, :p], lse=lse, q_rows=k_pos[:, s:] >= 0, **blocks
+        )
+        state = state.replace(scores=state.scores.at[ctx.layer].set(best))
+        qp, kp, vp = q[:, :p], k[:, :p], v[:, :p]
+        if self.method is None:
+            out, _ = flash_causal_attention(
+                qp, kp, vp, q_pos=ctx.positions[:, :p], k_pos=k_pos[:, :p], **blocks
+            )
+            cache = state.cache
+        else:
+            hidden = None if ctx.hidden is None else ctx.hidden[:, :p]
+            weights = self._with_prior(ctx.weights, TokenPrior(scores=state.scores))
+            inner = dataclasses.replace(ctx, positions=ctx.positions[:, :p], hidden=hidden, weights=weights)
+            if self.method.stacked_cache:
+                out, cache = self.method.prefill_attend(qp, kp, vp, state.cache, inner)
+            else:
+                old = read_layer(state.cache, ctx.layer)
+                out, new = self.method.prefill_attend(qp, kp, vp, old, inner)
+                cache = write_layer(state.cache, old, new, ctx.layer)
+        pad = jnp.zeros((q.shape[0], s - p, *q.shape[2:]), out.dtype)
+        return jnp.concatenate([out, pad, rec.astype(out.dtype)], axis=1), state.replace(cache=cache)
+
+    def _with_prior(self, weights: Any, prior: TokenPrior) -> Any:
+        if self.prior is None:
+            return prior
+        own = weights if weights is not None else (None,) * len(self.prior)
+        return tuple(prior if flag else w for flag, w in zip(self.prior, own, strict=True))
 
 
-def reconstruction_scores(model: Any, tokens: jax.Array, lengths: jax.Array, recon: Reconstruction) -> jax.Array:
-    """KVzip scores [L, B, Hkv, P] f32 of prompts tokens [B, P] (right-padded, lengths [B]) under ``model``
-    (a ``models.model.Transformer``), traced: 0 past each row's length; the sinks' are their own (a method
-    keeps its sinks whatever they score)."""
+def reconstructing_prefill(
+    model: Any,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    recon: Reconstruction,
+    *,
+    method: Any = None,
+    cache: Any = None,
+    prior: tuple[bool, ...] | None = None,
+    weights: Any = None,
+) -> tuple[jax.Array, jax.Array, Any]:
+    """The prompts tokens [B, P] (right-padded, lengths [B]) prefilled by ``method`` into its ``cache`` and
+    reconstructed in the same pass under ``model`` (a ``models.model.Transformer``), traced.
+
+    Returns (logits at each row's last prompt token [B, V], KVzip scores [L, B, Hkv, P] f32: 0 past each
+    row's length, the sinks' their own, the method's cache). ``prior`` and ``weights``: as in
+    ``ReconstructionPass``, the method's other learned parameters.
+    """
     recon.check()
     cfg = model.cfg
     b, p = tokens.shape
-    rec_tokens, total = recon.layout(tokens, lengths)
-    positions = jnp.broadcast_to(jnp.arange(rec_tokens.shape[1], dtype=jnp.int32), rec_tokens.shape)
-    state = ReconstructionScores(
-        scores=jnp.zeros((cfg.num_layers, b, cfg.num_kv_heads, p), jnp.float32), lengths=lengths, total=total
+    chunk, start = recon.blocks(p)
+    rec_tokens, positions, k_pos = recon.layout(tokens, lengths)
+    scores = jnp.zeros((cfg.num_layers, b, cfg.num_kv_heads, p), jnp.float32)
+    state = ReconstructionState(scores=scores, k_pos=k_pos, cache=cache)
+    attend = ReconstructionPass(start=start, chunk=chunk, method=method, prior=prior).prefill_attend
+    logits, state = model(
+        rec_tokens, positions, state, attend=attend, logit_index=lengths - 1, weights=weights
     )
-    attend = ReconstructionPass(chunk=recon.chunk).prefill_attend
-    _, state = model(rec_tokens, positions, state, attend=attend, logit_index=lengths - 1)
-    return state.scores
+    return logits, state.scores, state.cache
+
+
+def reconstruction_scores(
+    model: Any, tokens: jax.Array, lengths: jax.Array, recon: Reconstruction
+) -> jax.Array:
+    """KVzip scores [L, B, Hkv, P] f32 of prompts tokens [B, P] (right-padded, lengths [B]) under ``model``,
+    traced: 0 past each row's length; the sinks' are their own (a method keeps its sinks whatever they
+    score)."""
+    return reconstructing_prefill(model, tokens, lengths, recon)[1]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class KVzipRanking(PriorRanking):
+    """KVzip (arXiv 2505.23416): a token's score is the largest attention any query of its KV head's group
+    gives it while the model reconstructs the context (``ReconstructionPass``; ``PromptPass.prior``).
+    Question-agnostic."""
+
+    name: ClassVar[str] = "kvzip"
+    reconstructs: ClassVar[bool] = True
+
+    def token_prior(self, prompt: PromptPass) -> jax.Array:
+        if prompt.prior is None:
+            raise ValueError("the kvzip ranking reads the scores of the context reconstruction (TokenPrior)")
+        return prompt.prior.astype(jnp.float32)
 
 
 def repeat_prompt(tokenizer: Any) -> tuple[int, ...]:
@@ -134,4 +225,6 @@ def repeat_prompt(tokenizer: Any) -> tuple[int, ...]:
             [{"role": "user", "content": "dummy context" + marker}], add_generation_prompt=True
         )
         suffix = text.split(marker, 1)[1]
-    return tuple(tokenizer.encode(REPEAT_INSTRUCTION, add_bos=False) + tokenizer.encode(suffix, add_bos=False))
+    return tuple(
+        tokenizer.encode(REPEAT_INSTRUCTION, add_bos=False) + tokenizer.encode(suffix, add_bos=False)
+    )

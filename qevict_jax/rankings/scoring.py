@@ -17,20 +17,27 @@ and one or both of the prompt-time scores:
 
 Rankings (``RANKINGS``; each class says what it scores, *token* marks those the pool ranks with too):
 "cumulative" (the default), "cumulative-all" (H2O), "decayed", "pnorm", "headmax", "restkv" (ReST-KV),
-"keynorm" (key-norm), "gates" (TRIM-KV); question-agnostic: "kvzip" (KVzip), "expected-attention". Token
-only, in ``token_rankings``: TOVA, SnapKV, CriticalKV.
+"keynorm" (key-norm), "gates" (TRIM-KV); question-agnostic, each in its own module: "kvzip" (KVzip,
+``reconstruction``), "expected-attention" (``expected_attention``). Token only, in ``token_rankings``:
+TOVA, SnapKV, CriticalKV.
+
+A ranking is one class in one module of this package, registered where it is defined (``@register``):
+``make_ranking`` imports every module of the package before it looks a name up, so a new ranking needs no
+edit anywhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
+import sys
 from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from qevict_jax.rankings.attention_scores import observation_attention, observation_mass, restkv_scores
-from qevict_jax.rankings.expected_attention import N_FUTURE_POSITIONS, expected_attention_scores
 from qevict_jax.rankings.prompt import PromptPass
 from qevict_jax.rankings.windows import (
     GATE_FLOOR,
@@ -41,6 +48,26 @@ from qevict_jax.rankings.windows import (
     window_max,
     window_sums,
 )
+
+RANKINGS: dict[str, type[Ranking]] = {}
+"""The rankings by name (``CacheConfig.ranking``, ``--set ranking=NAME``), filled by ``register`` as their
+modules are imported; ``available_rankings`` imports them all."""
+
+
+def register(cls: type[Ranking]) -> type[Ranking]:
+    """Class decorator: ``cls`` is the ranking named ``cls.name``."""
+    if RANKINGS.get(cls.name, cls) is not cls:
+        raise ValueError(f"two rankings are named {cls.name!r}: {RANKINGS[cls.name].__qualname__}, {cls.__qualname__}")
+    RANKINGS[cls.name] = cls
+    return cls
+
+
+def available_rankings() -> dict[str, type[Ranking]]:
+    """Every ranking by name, after importing each module of this package (once; later calls are lookups)."""
+    package = sys.modules[__name__.rpartition(".")[0]]
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+    return RANKINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +85,8 @@ class ScoreDynamics:
     # update(0, m). Then a head mean of per-head running masses equals the running mass of the head means,
     # so the window engine may take that mean at routing events only (``CacheConfig.deferred_head_mean``).
     linear_in_mass: ClassVar[bool] = True
+    # the prompt pass must also reconstruct the context (KVzip: ``reconstruction``) for this ranking's scores
+    reconstructs: ClassVar[bool] = False
 
     def update(self, score: jax.Array, mass: jax.Array) -> jax.Array:
         """One decode step: score [...] f32, mass [...] this step's attention mass of each entry -> new score."""
@@ -83,6 +112,7 @@ class TokenRanking(Protocol):
         ...
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class Ranking(ScoreDynamics):
     """Cumulative attention (the default ranking): the mass of the observation window's rows, then one decode
@@ -117,6 +147,7 @@ class Ranking(ScoreDynamics):
         )
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class CumulativeAllRanking(Ranking):
     """Cumulative attention initialized from *every* prompt query (H2O-style). Early tokens collect mass
@@ -133,6 +164,7 @@ class CumulativeAllRanking(Ranking):
         return prompt.column_mass.mean(axis=2)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class DecayedRanking(Ranking):
     """Exponentially decayed attention: score <- decay * score + mass, per decode step; observation row i
@@ -150,6 +182,7 @@ class DecayedRanking(Ranking):
         return window_sums(jnp.einsum("bnt,n->bt", rows, weights), sink, window, num_windows)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class PNormRanking(Ranking):
     """Attention p-norm: the sum over queries of each window's mass to the power ``p`` (rank-equivalent to
@@ -168,6 +201,7 @@ class PNormRanking(Ranking):
         return jnp.sum(jnp.power(per_row, self.p), axis=1)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class HeadMaxRanking(Ranking):
     """Cumulative attention whose prompt-time score is the largest over query heads rather than their mean:
@@ -187,6 +221,7 @@ class HeadMaxRanking(Ranking):
         return sums.max(axis=1)  # [B, NW]
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class KeyNormRanking(Ranking):
     """Minus the mean key norm of the window (low key norm = important); independent of attention."""
@@ -208,6 +243,7 @@ class KeyNormRanking(Ranking):
         return -key_norms(prompt.k).swapaxes(1, 2)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class RestKVRanking(Ranking):
     """ReST-KV's output-change score at prefill (``restkv_scores``, width-5 average pooling), head-mean,
@@ -257,6 +293,7 @@ class RestKVRanking(Ranking):
         )
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class GateRanking(Ranking):
     """Learned retention gates (TRIM-KV, arXiv 2512.03324; ``qevict_jax.rankings.gates``): no attention at all.
@@ -298,70 +335,31 @@ class GateRanking(Ranking):
 
 
 @dataclasses.dataclass(frozen=True)
-class KVzipRanking(Ranking):
-    """KVzip (arXiv 2505.23416): a token's score is the largest attention any query of its KV head's group
-    gives it while the model reconstructs the context (``reconstruction``; ``PromptPass.prior``), a window's
-    the maximum over its tokens and every KV head. Question-agnostic; decoding adds mass as "cumulative"."""
+class PriorRanking(Ranking):
+    """A ranking from token scores known once the prompt pass has run (``token_prior``, [B, Hkv, T], higher =
+    keep): the pool ranks each head's tokens by them, the window engine a window by its best token over every
+    KV head (the windows are shared by the heads, so a window stays when any head would read one of its
+    tokens); decoding adds mass as "cumulative"."""
 
-    name: ClassVar[str] = "kvzip"
-
-    def _prior(self, prompt: PromptPass) -> jax.Array:
-        if prompt.prior is None:
-            raise ValueError("the kvzip ranking reads scores computed before the prompt pass (TokenPrior)")
-        return prompt.prior.astype(jnp.float32)
+    def token_prior(self, prompt: PromptPass) -> jax.Array:
+        raise NotImplementedError
 
     def prefill_window_scores(self, prompt: PromptPass, *, sink: int, window: int, num_windows: int) -> jax.Array:
         valid = prompt.positions < prompt.lengths[:, None]
-        best = jnp.where(valid, self._prior(prompt).max(axis=1), GATE_FLOOR)  # [B, T]
+        best = jnp.where(valid, self.token_prior(prompt).max(axis=1), GATE_FLOOR)  # [B, T]
         return window_max(best, sink, window, num_windows)
 
     def prefill_token_scores(self, prompt: PromptPass, caps: Any) -> jax.Array:
-        return self._prior(prompt)
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpectedAttentionRanking(KVzipRanking):
-    """Expected attention (arXiv 2510.00636; kvpress ``ExpectedAttentionPress``): a token's score is
-    ``expected_attention_scores`` of the prompt pass (the press's defaults but ``epsilon``: kvpress's
-    leaderboard runs 0.01, the press's own default is 0); windows and decoding as "kvzip"."""
-
-    epsilon: float = 0.01
-    n_future_positions: int = N_FUTURE_POSITIONS
-    name: ClassVar[str] = "expected-attention"
-
-    def _prior(self, prompt: PromptPass) -> jax.Array:
-        if prompt.v is None or prompt.inv_freq is None:
-            raise ValueError("the expected-attention ranking needs the values and the layer's RoPE frequencies")
-        return expected_attention_scores(
-            prompt.q, prompt.k, prompt.v, positions=prompt.positions, lengths=prompt.lengths,
-            inv_freq=prompt.inv_freq, n_future_positions=self.n_future_positions, epsilon=self.epsilon,
-        )  # fmt: skip
-
-
-RANKINGS: dict[str, type[Ranking]] = {
-    cls.name: cls
-    for cls in (
-        Ranking,
-        CumulativeAllRanking,
-        DecayedRanking,
-        PNormRanking,
-        HeadMaxRanking,
-        KeyNormRanking,
-        RestKVRanking,
-        GateRanking,
-        KVzipRanking,
-        ExpectedAttentionRanking,
-    )
-}
-"""The rankings by name (``CacheConfig.ranking``, ``--set ranking=NAME``)."""
+        return self.token_prior(prompt)
 
 
 def make_ranking(name: str, **params) -> Ranking:
     """The ranking ``name`` with those of ``params`` (n_obs, max_pool_width, spill, q_spill, decay, p) that it
     has."""
-    if name not in RANKINGS:
-        raise ValueError(f"unknown ranking {name!r}; available: {', '.join(RANKINGS)}")
-    cls = RANKINGS[name]
+    rankings = available_rankings()
+    if name not in rankings:
+        raise ValueError(f"unknown ranking {name!r}; available: {', '.join(rankings)}")
+    cls = rankings[name]
     fields = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in params.items() if k in fields})
 

@@ -1,5 +1,5 @@
 """Several methods' caches from one prompt pass (``Fanout``): the method ``generate_shared`` prefills with;
-the scores a method needs before that pass (``with_reconstruction``)."""
+the context reconstruction that pass runs with when a method's ranking needs it (``shared_reconstruction``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import jax
 
 from models.attention import prompt_attention
 from models.config import ModelConfig
-from models.model import Transformer
 from qevict_jax.core.kv import CacheRequest
-from qevict_jax.rankings.prompt import TokenPrior
-from qevict_jax.rankings.reconstruction import reconstruction_scores
+from qevict_jax.rankings.reconstruction import Reconstruction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +29,7 @@ class Fanout:
     name: str = "fanout"
     chunk: int = 512
     stacked_cache: ClassVar[bool] = False  # its members' caches are handed one layer's slice each
-    reconstruction: ClassVar[None] = None  # its members' own (``with_reconstruction``)
+    reconstruction: ClassVar[None] = None  # its members' own (``shared_reconstruction``)
 
     def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> tuple[Any, ...]:
         """One cache per member, each sized for its own ``request.budget_tokens``."""
@@ -68,20 +66,16 @@ class Fanout:
         return pairs[0][0], tuple(c for _, c in pairs)
 
 
-def with_reconstruction(model: Transformer, method: Any, tokens, lengths, weights: Any) -> Any:
-    """``weights`` with each method (each member of a ``Fanout``) that scores its prompt before the pass
-    (``KVMethod.reconstruction``: KVzip) given those scores (``prompt.TokenPrior``), one pass per distinct
-    reconstruction, traced into the prefill's program."""
+def shared_reconstruction(method: Any) -> tuple[Reconstruction | None, tuple[bool, ...] | None]:
+    """(the context reconstruction the prompt pass of ``method`` runs with, None for none; which members of a
+    ``Fanout`` read its scores, None for a single method): one reconstruction serves every member that asks
+    for one (``KVMethod.reconstruction``: the kvzip ranking), so members must reconstruct alike."""
     members = method.methods if isinstance(method, Fanout) else (method,)
-    if all(m.reconstruction is None for m in members):
-        return weights
-    own = weights if isinstance(method, Fanout) else (weights,)
-    scores: dict[Any, jax.Array] = {}
-    for m in members:
-        if m.reconstruction is not None and m.reconstruction not in scores:
-            scores[m.reconstruction] = reconstruction_scores(model, tokens, lengths, m.reconstruction)
-    own = tuple(
-        w if m.reconstruction is None else TokenPrior(scores=scores[m.reconstruction])
-        for m, w in zip(members, own, strict=True)
-    )
-    return own if isinstance(method, Fanout) else own[0]
+    wanted = [m.reconstruction for m in members if m.reconstruction is not None]
+    if not wanted:
+        return None, None
+    if len({(r.prompt, r.n_sink) for r in wanted}) > 1:
+        names = ", ".join(m.name for m in members if m.reconstruction is not None)
+        raise ValueError(f"methods sharing one prefill must reconstruct the context alike: {names}")
+    prior = tuple(m.reconstruction is not None for m in members) if isinstance(method, Fanout) else None
+    return wanted[0], prior

@@ -22,8 +22,9 @@ from models.model import Transformer
 from qevict_jax.core.budget import BudgetTooSmallError
 from qevict_jax.core.kv import CacheRequest, KVMethod, cache_nbytes, full_kv_bytes
 from qevict_jax.core.sharding import Mesh, constrain_cache, mesh_context, place_replicated, place_rows
+from qevict_jax.rankings.reconstruction import reconstructing_prefill
 from qevict_jax.runtime.compiled import EXECUTABLES, bucket_floor, bucket_length
-from qevict_jax.runtime.fanout import with_reconstruction
+from qevict_jax.runtime.fanout import shared_reconstruction
 from qevict_jax.runtime.sampling import SamplerConfig, sample
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -234,7 +235,12 @@ def prefill_logits(
     )  # fmt: skip
     cache = method.init_cache(request, lengths)
     cache = constrain_cache(cache, mesh)
-    weights = with_reconstruction(model, method, tokens, lengths, weights)
+    recon, prior = shared_reconstruction(method)
+    if recon is not None:  # the prompt pass is also the context's reconstruction (the kvzip ranking)
+        logits, _, cache = reconstructing_prefill(
+            model, tokens, lengths, recon, method=method, cache=cache, prior=prior, weights=weights
+        )
+        return logits, constrain_cache(cache, mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, cache = model(
         tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights
