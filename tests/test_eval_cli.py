@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -141,8 +142,7 @@ def test_gsm8k_sweep_with_injected_answers(tmp_path, model):
     def fake(model, prompts, sampler, method=None, seed=0, budget_rounding="bucket", **_):
         assert TOK.decode(prompts[0]).endswith("\nA:")
         r = needle_echo(model, prompts, sampler, method)
-        r.tokens = [TOK.encode(next(answers), add_bos=False)]
-        return r
+        return dataclasses.replace(r, tokens=[TOK.encode(next(answers), add_bos=False)])
 
     a = args_for("gsm8k", "--data-file", str(FIXTURES / "gsm8k" / "test.jsonl"), "--samples", "2",
                  "--methods", "full", "--out", str(tmp_path), "--no-progress")  # fmt: skip

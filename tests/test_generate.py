@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,8 @@ def test_cached_decoding_equals_uncached_forward(model):
     prompt = list(np.random.RandomState(0).randint(0, TINY.vocab_size, 37))
     res = generate(model, [prompt], SamplerConfig(max_new_tokens=12), FullKV(), kv_dtype=jnp.float32)
     assert res.tokens[0] == greedy_uncached(model, prompt, 12)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a result is built once, never changed after
+        res.note = "changed"
 
 
 def test_cached_logits_equal_uncached_logits_every_step(model):

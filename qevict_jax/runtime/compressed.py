@@ -195,6 +195,6 @@ def answer(
         prefill_s=0.0,  # the context's prompt pass was paid once, in compress
         on_token=on_token,
     )
-    result.compressed = compressed.compressed
-    result.requested_method = compressed.requested_method
-    return result
+    return dataclasses.replace(
+        result, compressed=compressed.compressed, requested_method=compressed.requested_method
+    )

@@ -10,6 +10,7 @@ Prompts are right-padded to a length bucket; the KV cache is a pytree handed fro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -127,8 +128,7 @@ def generate(
                 model, sequences, sampler, [requested], seed=seed, budget_rounding=budget_rounding,
                 kv_dtype=past.kv_dtype, mesh=mesh, on_token=on_token, growing=True,
             )[0]  # fmt: skip
-            result.prompt_lengths = [len(p) for p in prompts]  # this turn's tokens, as at any later turn
-            return result
+            return dataclasses.replace(result, prompt_lengths=[len(p) for p in prompts])  # this turn's tokens
     turns = [[pending, *p] for pending, p in zip(past.pending, prompts, strict=True)]
     start = np.asarray(past.next_positions, np.int32)
     need = int(max(start + np.array([len(t) for t in turns]))) + sampler.max_new_tokens
@@ -149,9 +149,11 @@ def generate(
         on_token=on_token,
         before=past.history,
     )
-    result.requested_method = past.requested_method or method
-    result.compressed_at = past.compressed_at if result.compressed else None
-    return result
+    return dataclasses.replace(
+        result,
+        requested_method=past.requested_method or method,
+        compressed_at=past.compressed_at if result.compressed else None,
+    )
 
 
 def generate_shared(
@@ -244,11 +246,14 @@ def generate_shared(
                 mesh=mesh,
                 on_token=on_token,
             )
-            results[i].compile_s += compile_s
-            results[i].compressed = fits[i].compressed
-            results[i].compressed_at = lengths.tolist() if fits[i].compressed else None
-            results[i].note = fits[i].note
-            results[i].requested_method = requested[i]
+            results[i] = dataclasses.replace(
+                results[i],
+                compile_s=results[i].compile_s + compile_s,
+                compressed=fits[i].compressed,
+                compressed_at=lengths.tolist() if fits[i].compressed else None,
+                note=fits[i].note,
+                requested_method=requested[i],
+            )
     return results  # type: ignore[return-value]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class GenerationResult:
     """Generated tokens per row (EOS included when hit), timings and the final cache.
 
