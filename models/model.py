@@ -3,8 +3,9 @@
 Layer parameters are stacked on a leading ``[L, ...]`` axis and the forward pass is a ``lax.scan`` over
 layers. The KV cache is not module state: it is a pytree with a leading layer axis passed in and out, and
 what a layer does with its keys and values is an ``AttendFn`` supplied by the caller (Full-KV, QEvict and
-every baseline plug in there). By default the scan hands the attend fn one layer's slice of the cache; a
-method with ``stacked_cache = True`` gets the whole stacked cache and ``ctx.layer`` and updates it in place. With ``cache=None`` the forward is plain causal attention, no cache.
+every baseline plug in there). By default the scan hands the attend fn one layer's slice of the cache; with
+``stacked_cache=True`` (the caller passes its method's ``stacked_cache``) it gets the whole stacked cache and
+``ctx.layer`` and updates it in place. With ``cache=None`` the forward is plain causal attention, no cache.
 """
 
 from __future__ import annotations
@@ -54,12 +55,6 @@ TOKEN_CHUNK = 512
 
 # (q [B,T,H,D] post-RoPE, k [B,T,Hkv,D] post-RoPE, v [B,T,Hkv,D], layer_cache, ctx) -> (out [B,T,H,D], cache)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, LayerContext], tuple[jax.Array, Any]]
-
-
-def uses_stacked_cache(attend: AttendFn) -> bool:
-    """True when ``attend`` belongs to a method whose attend fns take the whole stacked cache ``[L, ...]``
-    plus ``ctx.layer`` (attribute ``stacked_cache = True``) instead of one layer's slice."""
-    return bool(getattr(getattr(attend, "__self__", None), "stacked_cache", False))
 
 
 def read_layer(cache: Any, layer: jax.Array) -> Any:
@@ -262,6 +257,7 @@ class Transformer(nnx.Module):
         logit_index: jax.Array | None = None,
         token_chunk: int | None = None,
         weights: Any = None,
+        stacked_cache: bool = False,
     ) -> tuple[jax.Array, Any]:
         """Forward pass.
 
@@ -269,7 +265,8 @@ class Transformer(nnx.Module):
         logit_index: [B] int32, when given only the logits at ``tokens[b, logit_index[b]]`` are computed.
         token_chunk: tokens per chunk of the position-wise parts of each layer (``_layer``); None: the module's
         ``TOKEN_CHUNK`` when traced (a bench may set it). weights: the attend fn's learned parameters
-        (``LayerContext.weights``), or None.
+        (``LayerContext.weights``), or None. stacked_cache: the attend fn takes the whole stacked cache and
+        ``ctx.layer`` (its method's ``stacked_cache``), else one layer's slice.
         Returns (logits [B, T, V] float32, or [B, V] with logit_index; the updated cache).
         """
         cfg = self.cfg
@@ -279,7 +276,7 @@ class Transformer(nnx.Module):
         stacked = self.layers.stacked()
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        if uses_stacked_cache(attend):
+        if stacked_cache:
             # The whole stacked cache rides in the scan carry and the attend fn updates its layer in place:
             # a decode step then writes one token instead of copying every layer's cache (scan xs -> ys).
             def body_stacked(carry, xs):

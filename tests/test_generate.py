@@ -73,10 +73,13 @@ def test_cached_logits_equal_uncached_logits_every_step(model):
         cache,
         attend=method.prefill_attend,
         logit_index=jnp.asarray([p - 1]),
+        stacked_cache=True,
     )
     np.testing.assert_allclose(logits[0], ref[0, p - 1], atol=1e-5)
     for i in range(p, 40):
-        logits, cache = model(jnp.asarray([[seq[i]]]), jnp.asarray([[i]]), cache, attend=method.decode_attend)
+        logits, cache = model(
+            jnp.asarray([[seq[i]]]), jnp.asarray([[i]]), cache, attend=method.decode_attend, stacked_cache=True
+        )
         np.testing.assert_allclose(logits[0, 0], ref[0, i], atol=1e-5)
 
 

@@ -153,7 +153,7 @@ def test_prompt_pass_inside_the_reconstruction_is_the_prompts_own(name):
                                budget_tokens=744)  # fmt: skip
         positions = jnp.broadcast_to(jnp.arange(768, dtype=jnp.int32), (2, 768))
         return model(tokens, positions, method.init_cache(request, lengths), attend=method.prefill_attend,
-                     logit_index=lengths - 1, weights=TokenPrior(scores=scores))  # fmt: skip
+                     logit_index=lengths - 1, weights=TokenPrior(scores=scores), stacked_cache=method.stacked_cache)  # fmt: skip
 
     want_logits, want_cache = jax.jit(apart)()
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-4)

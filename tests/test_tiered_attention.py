@@ -67,12 +67,13 @@ def run_model(model, method, tokens, lengths, prompt_cap, steps, budget_tokens):
     cache = method.init_cache(CacheRequest(model_cfg=MODEL, batch=lengths.shape[0], prompt_capacity=prompt_cap, max_new_tokens=steps, dtype=jnp.float32, budget_tokens=budget_tokens), lengths)
     pos = jnp.broadcast_to(jnp.arange(prompt_cap), (b, prompt_cap))
     logits, cache = model(
-        tokens[:, :prompt_cap], pos, cache, attend=method.prefill_attend, logit_index=lengths - 1
-    )
+        tokens[:, :prompt_cap], pos, cache, attend=method.prefill_attend, logit_index=lengths - 1,
+        stacked_cache=method.stacked_cache,
+    )  # fmt: skip
     inv_freq = jnp.asarray(MODEL.inv_freq(), jnp.float32)
 
     def decode_step(c, t, p):
-        logits, c = model(t[:, None], p[:, None], c, attend=method.decode_attend)
+        logits, c = model(t[:, None], p[:, None], c, attend=method.decode_attend, stacked_cache=method.stacked_cache)
         return logits, method.decode_route(c, inv_freq)
 
     step = jax.jit(decode_step)

@@ -105,5 +105,5 @@ def record_qkv(model: Transformer, row: Any) -> tuple[np.ndarray, np.ndarray, np
     z = lambda h: jnp.zeros((cfg.num_layers, 1, t, h, cfg.head_dim))
     rec = Recorded(q=z(cfg.num_heads), k=z(cfg.num_kv_heads), v=z(cfg.num_kv_heads))
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    _, rec = model(jnp.asarray(np.asarray(row))[None], pos, rec, attend=Recorder().prefill_attend)
+    _, rec = model(jnp.asarray(np.asarray(row))[None], pos, rec, attend=Recorder().prefill_attend, stacked_cache=True)
     return tuple(np.asarray(a[:, 0], np.float64) for a in (rec.q, rec.k, rec.v))

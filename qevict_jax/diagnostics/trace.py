@@ -176,7 +176,8 @@ def _policy_prefill(
     cache = method.init_cache(request, lengths)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     _, cache = model(
-        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights
+        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights,
+        stacked_cache=method.stacked_cache,
     )
     return (cache, *window_view(cache, nw))
 
@@ -191,7 +192,10 @@ def _policy_interval(graphdef, state, cache, tokens, start, method: KVMethod, nw
     def step(cache, xs):
         token, i = xs
         attend = method.decode_attend
-        _, cache = model(token[:, None], (start + i)[:, None], cache, attend=attend, weights=weights)
+        _, cache = model(
+            token[:, None], (start + i)[:, None], cache, attend=attend, weights=weights,
+            stacked_cache=method.stacked_cache,
+        )  # fmt: skip
         return cache
 
     def body(cache, xs):

@@ -185,7 +185,7 @@ def reconstructing_prefill(
     state = ReconstructionState(scores=scores, k_pos=k_pos, cache=cache)
     attend = ReconstructionPass(start=start, chunk=chunk, method=method, prior=prior).prefill_attend
     logits, state = model(
-        rec_tokens, positions, state, attend=attend, logit_index=lengths - 1, weights=weights
+        rec_tokens, positions, state, attend=attend, logit_index=lengths - 1, weights=weights, stacked_cache=True
     )
     return logits, state.scores, state.cache
 

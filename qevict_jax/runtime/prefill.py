@@ -243,8 +243,9 @@ def prefill_logits(
         return logits, constrain_cache(cache, mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, cache = model(
-        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights
-    )
+        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights,
+        stacked_cache=method.stacked_cache,
+    )  # fmt: skip
     return logits, constrain_cache(cache, mesh)
 
 
@@ -319,7 +320,8 @@ def _append(
         token, i = xs
         active = i < count
         logits, new = model(
-            token[:, None], (start + i)[:, None], cache, attend=method.decode_attend, weights=weights
+            token[:, None], (start + i)[:, None], cache, attend=method.decode_attend, weights=weights,
+            stacked_cache=method.stacked_cache,
         )
         new = method.decode_route(new, inv_freq)
         new = jax.lax.cond(jnp.all(active), lambda: new, lambda: _select_rows(active, new, cache))
