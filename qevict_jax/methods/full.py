@@ -73,25 +73,16 @@ class FullKV:
         )
 
     def prefill_attend(self, q, k, v, cache: FullCache, ctx: LayerContext):
-        """q [B, P, H, D], k, v [B, P, Hkv, D]; cache: stacked [L, ...]. Writes the layer's prompt KV."""
-        out, _ = chunked_attention(q, k, v, **self._prompt_blocks(ctx))
-        at = (ctx.layer, 0, 0, 0, 0)
-        cache = cache.replace(
-            k=jax.lax.dynamic_update_slice(cache.k, to_words(k.swapaxes(1, 2)[None], cache.dtype), at),
-            v=jax.lax.dynamic_update_slice(cache.v, to_words(v.swapaxes(1, 2)[None], cache.dtype), at),
-        )
-        return out, cache
-
-    def prefill_attend_slice(self, q, k, v, cache: FullCache, ctx: LayerContext):
-        """``prefill_attend`` on one layer's slice of the cache ([B, Hkv, C, D] fields), for a shared prefill
-        (``fanout.Fanout``) whose layer scan hands every member its slice and the prompt attention."""
+        """q [B, P, H, D], k, v [B, P, Hkv, D]; cache: stacked [L, ...]. Writes the layer's prompt KV (the
+        attention is the shared prefill's when it computed it: ``LayerContext.prompt_attention``)."""
         if ctx.prompt_attention is not None:
             out = ctx.prompt_attention[0]
         else:
             out, _ = chunked_attention(q, k, v, **self._prompt_blocks(ctx))
+        at = (ctx.layer, 0, 0, 0, 0)
         cache = cache.replace(
-            k=jax.lax.dynamic_update_slice(cache.k, to_words(k.swapaxes(1, 2), cache.dtype), (0, 0, 0, 0)),
-            v=jax.lax.dynamic_update_slice(cache.v, to_words(v.swapaxes(1, 2), cache.dtype), (0, 0, 0, 0)),
+            k=jax.lax.dynamic_update_slice(cache.k, to_words(k.swapaxes(1, 2)[None], cache.dtype), at),
+            v=jax.lax.dynamic_update_slice(cache.v, to_words(v.swapaxes(1, 2)[None], cache.dtype), at),
         )
         return out, cache
 

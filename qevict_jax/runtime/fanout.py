@@ -10,6 +10,7 @@ import jax
 
 from models.attention import prompt_attention
 from models.config import ModelConfig
+from models.model import read_layer, write_layer
 from qevict_jax.core.kv import CacheRequest
 from qevict_jax.rankings.reconstruction import Reconstruction
 
@@ -20,15 +21,15 @@ class Fanout:
 
     A method only decides what its cache keeps: the prompt pass's outputs (hence the first token) are the
     same for every method, so an evaluation of many methods on one prompt needs one prefill, not one per
-    method. The layer scan hands every member its layer's slice (a stacked-cache method such as Full-KV
-    prefills through its ``prefill_attend_slice``). The cache is the tuple of the members' caches;
-    ``budget_tokens`` is per member.
+    method. The layer scan hands the whole stacked caches over; each member gets what its ``stacked_cache``
+    asks for (the stacked cache, or its layer's slice, written back). The cache is the tuple of the members'
+    caches; ``budget_tokens`` is per member.
     """
 
     methods: tuple[Any, ...]
     name: str = "fanout"
     chunk: int = 512
-    stacked_cache: ClassVar[bool] = False  # its members' caches are handed one layer's slice each
+    stacked_cache: ClassVar[bool] = True  # each member takes its layer's slice itself where it needs one
     reconstruction: ClassVar[None] = None  # its members' own (``shared_reconstruction``)
 
     def init_cache(self, request: CacheRequest, prompt_lengths: jax.Array) -> tuple[Any, ...]:
@@ -45,7 +46,7 @@ class Fanout:
     def prefill_attend(self, q, k, v, caches, ctx):
         """The prompt attention once (``LayerContext.prompt_attention``), then every member's compression
         (each with its own ``weights``)."""
-        lengths = caches[0].length
+        lengths = read_layer(caches[0], ctx.layer).length
         att = prompt_attention(
             q,
             k,
@@ -57,13 +58,18 @@ class Fanout:
         )
         ctx = dataclasses.replace(ctx, prompt_attention=att)
         weights = ctx.weights if ctx.weights is not None else (None,) * len(self.methods)
-        pairs = [
-            (m.prefill_attend_slice if m.stacked_cache else m.prefill_attend)(
-                q, k, v, c, dataclasses.replace(ctx, weights=w)
-            )
-            for m, c, w in zip(self.methods, caches, weights, strict=True)
-        ]
-        return pairs[0][0], tuple(c for _, c in pairs)
+        outs, new = [], []
+        for m, c, w in zip(self.methods, caches, weights, strict=True):
+            member_ctx = dataclasses.replace(ctx, weights=w)
+            if m.stacked_cache:
+                out, c = m.prefill_attend(q, k, v, c, member_ctx)
+            else:
+                old = read_layer(c, ctx.layer)
+                out, layer = m.prefill_attend(q, k, v, old, member_ctx)
+                c = write_layer(c, old, layer, ctx.layer)
+            outs.append(out)
+            new.append(c)
+        return outs[0], tuple(new)
 
 
 def shared_reconstruction(method: Any) -> tuple[Reconstruction | None, tuple[bool, ...] | None]:
