@@ -17,6 +17,7 @@ are the same for any length).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar
 
@@ -29,7 +30,7 @@ from models.attention import prompt_attention
 from models.config import ModelConfig
 from models.model import LayerContext
 from pallas_kernels.quant import QuantizedWindows
-from qevict_jax.core.config import Capacities
+from qevict_jax.core.config import CacheConfig, Capacities
 from qevict_jax.core.kv import CacheRequest, from_words, to_words
 
 
@@ -198,11 +199,26 @@ def init_cache(
     )
 
 
-class SizedByCapacities:
-    """Mixin of the methods whose cache is a ``TieredCache`` sized by their ``capacities(...)`` (and whose
-    static configuration is a ``CacheConfig`` field ``cache``)."""
+class SizedByCapacities(abc.ABC):
+    """Base of the methods whose cache is a ``TieredCache`` or ``PoolCache`` sized by their ``capacities``:
+    the protocol's sizing, budget and routing-event answers from what a subclass declares (its static
+    configuration ``cache``, ``uses_budget``, ``capacities`` and ``route``)."""
 
+    cache: CacheConfig
     stacked_cache: ClassVar[bool] = False  # attend fns see one layer's slice (``models.model.write_layer``)
+
+    @property
+    @abc.abstractmethod
+    def uses_budget(self) -> bool:
+        """Sized by a byte budget β (``CacheConfig.budget``)."""
+
+    @abc.abstractmethod
+    def capacities(self, request: CacheRequest) -> Capacities:
+        """Static buffer sizes for a request."""
+
+    @abc.abstractmethod
+    def route(self, cache: Any, inv_freq: jax.Array, due: jax.Array | None = None) -> Any:
+        """A routing event on the stacked cache (every layer), where ``due`` (None: always)."""
 
     @property
     def budget(self) -> float | None:
