@@ -23,6 +23,7 @@ from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.gate_methods import GATE_METHODS
 from qevict_jax.methods.qevict import VARIANTS, WindowMethod
 from qevict_jax.rankings.reconstruction import repeat_prompt
+from qevict_jax.rankings.scoring import available_rankings
 
 
 def available_methods() -> list[str]:
@@ -80,17 +81,21 @@ def configure(method: KVMethod, budget: float | None = None, **options: Any) -> 
     own_fields = {f.name: f for f in dataclasses.fields(method) if f.name not in structure}
     cache_fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
     own = {k: _typed(k, v, own_fields[k], "") for k, v in options.items() if k in own_fields}
-    cfg = {
-        k: _typed(k, v, cache_fields.get(k), cache_option_rule(k))
-        for k, v in options.items()
-        if k not in own_fields
-    }
+    cfg = {k: _typed(k, v, cache_fields.get(k), _option_rule(k)) for k, v in options.items() if k not in own_fields}
     if "cache" in {f.name for f in dataclasses.fields(method)}:
         cache = method.cache
         if budget is not None:
             cfg["budget"] = _typed("budget", budget, cache_fields["budget"], cache_option_rule("budget"))
         own["cache"] = dataclasses.replace(cache, **cfg)
     return dataclasses.replace(method, **own)
+
+
+def _option_rule(name: str) -> str:
+    """The valid values of ``CacheConfig`` field ``name`` in words; the rankings are named here, at the edge,
+    because the configuration sits below them (``scoring.available_rankings``)."""
+    if name == "ranking":
+        return "one of " + ", ".join(available_rankings())
+    return cache_option_rule(name)
 
 
 def _typed(name: str, value: Any, field: dataclasses.Field | None, rule: str) -> Any:
