@@ -88,6 +88,18 @@ def write_layer(cache: Any, old: Any, new: Any, layer: jax.Array) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def attend_stacked(
+    attend: AttendFn, stacked_cache: bool, q, k, v, cache: Any, ctx: LayerContext
+) -> tuple[jax.Array, Any]:
+    """``attend`` of a method over a stacked cache ``[L, ...]``: the whole cache when the method takes it
+    (``stacked_cache``), else the layer ``ctx.layer``'s slice, written back (``write_layer``)."""
+    if stacked_cache:
+        return attend(q, k, v, cache, ctx)
+    old = read_layer(cache, ctx.layer)
+    out, new = attend(q, k, v, old, ctx)
+    return out, write_layer(cache, old, new, ctx.layer)
+
+
 def uncached_attend(q, k, v, layer_cache, ctx: LayerContext):
     """Causal attention over the current tokens only (no cache); ``layer_cache`` is passed through."""
     out, _ = chunked_attention(

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention import column_max, flash_causal_attention
-from models.model import LayerContext, read_layer, write_layer
+from models.model import LayerContext, attend_stacked
 from qevict_jax.rankings.prompt import PromptPass, TokenPrior
 from qevict_jax.rankings.scoring import PriorRanking, register
 
@@ -142,12 +142,8 @@ class ReconstructionPass:
             hidden = None if ctx.hidden is None else ctx.hidden[:, :p]
             weights = self._with_prior(ctx.weights, TokenPrior(scores=state.scores))
             inner = dataclasses.replace(ctx, positions=ctx.positions[:, :p], hidden=hidden, weights=weights)
-            if self.method.stacked_cache:
-                out, cache = self.method.prefill_attend(qp, kp, vp, state.cache, inner)
-            else:
-                old = read_layer(state.cache, ctx.layer)
-                out, new = self.method.prefill_attend(qp, kp, vp, old, inner)
-                cache = write_layer(state.cache, old, new, ctx.layer)
+            attend = self.method.prefill_attend
+            out, cache = attend_stacked(attend, self.method.stacked_cache, qp, kp, vp, state.cache, inner)
         pad = jnp.zeros((q.shape[0], s - p, *q.shape[2:]), out.dtype)
         return jnp.concatenate([out, pad, rec.astype(out.dtype)], axis=1), state.replace(cache=cache)
 

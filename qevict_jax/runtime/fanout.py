@@ -10,7 +10,7 @@ import jax
 
 from models.attention import prompt_attention
 from models.config import ModelConfig
-from models.model import read_layer, write_layer
+from models.model import attend_stacked, read_layer
 from qevict_jax.core.kv import CacheRequest
 from qevict_jax.rankings.reconstruction import Reconstruction
 
@@ -58,18 +58,11 @@ class Fanout:
         )
         ctx = dataclasses.replace(ctx, prompt_attention=att)
         weights = ctx.weights if ctx.weights is not None else (None,) * len(self.methods)
-        outs, new = [], []
-        for m, c, w in zip(self.methods, caches, weights, strict=True):
-            member_ctx = dataclasses.replace(ctx, weights=w)
-            if m.stacked_cache:
-                out, c = m.prefill_attend(q, k, v, c, member_ctx)
-            else:
-                old = read_layer(c, ctx.layer)
-                out, layer = m.prefill_attend(q, k, v, old, member_ctx)
-                c = write_layer(c, old, layer, ctx.layer)
-            outs.append(out)
-            new.append(c)
-        return outs[0], tuple(new)
+        pairs = [
+            attend_stacked(m.prefill_attend, m.stacked_cache, q, k, v, c, dataclasses.replace(ctx, weights=w))
+            for m, c, w in zip(self.methods, caches, weights, strict=True)
+        ]
+        return pairs[0][0], tuple(c for _, c in pairs)
 
 
 def shared_reconstruction(method: Any) -> tuple[Reconstruction | None, tuple[bool, ...] | None]:
