@@ -89,7 +89,7 @@ def write_layer(cache: Any, old: Any, new: Any, layer: jax.Array) -> Any:
 
 
 def attend_stacked(
-    attend: AttendFn, stacked_cache: bool, q, k, v, cache: Any, ctx: LayerContext
+    attend: AttendFn, q, k, v, cache: Any, ctx: LayerContext, *, stacked_cache: bool
 ) -> tuple[jax.Array, Any]:
     """``attend`` of a method over a stacked cache ``[L, ...]``: the whole cache when the method takes it
     (``stacked_cache``), else the layer ``ctx.layer``'s slice, written back (``write_layer``)."""

@@ -143,7 +143,9 @@ class ReconstructionPass:
             weights = self._with_prior(ctx.weights, TokenPrior(scores=state.scores))
             inner = dataclasses.replace(ctx, positions=ctx.positions[:, :p], hidden=hidden, weights=weights)
             attend = self.method.prefill_attend
-            out, cache = attend_stacked(attend, self.method.stacked_cache, qp, kp, vp, state.cache, inner)
+            out, cache = attend_stacked(
+                attend, qp, kp, vp, state.cache, inner, stacked_cache=self.method.stacked_cache
+            )
         pad = jnp.zeros((q.shape[0], s - p, *q.shape[2:]), out.dtype)
         return jnp.concatenate([out, pad, rec.astype(out.dtype)], axis=1), state.replace(cache=cache)
 

@@ -4,6 +4,7 @@ the context reconstruction that pass runs with when a method's ranking needs it 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import jax
@@ -59,7 +60,9 @@ class Fanout:
         ctx = dataclasses.replace(ctx, prompt_attention=att)
         weights = ctx.weights if ctx.weights is not None else (None,) * len(self.methods)
         pairs = [
-            attend_stacked(m.prefill_attend, m.stacked_cache, q, k, v, c, dataclasses.replace(ctx, weights=w))
+            attend_stacked(
+                m.prefill_attend, q, k, v, c, replace(ctx, weights=w), stacked_cache=m.stacked_cache
+            )
             for m, c, w in zip(self.methods, caches, weights, strict=True)
         ]
         return pairs[0][0], tuple(c for _, c in pairs)
