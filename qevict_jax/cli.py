@@ -20,13 +20,12 @@ from qevict_jax.diagnostics.run import add_diagnose_parser, cmd_diagnose
 from qevict_jax.eval.cli import add_eval_parser, cmd_eval
 from qevict_jax.eval.needle import needle_correct, needle_prompt_text, needle_sample
 from qevict_jax.eval.tasks import floats, names
+from qevict_jax.methods.options import options_for, parse_set_options
 from qevict_jax.methods.registry import (
     available_methods,
     bind_tokenizer,
     cache_stats,
     make_method,
-    options_for,
-    parse_set_options,
 )
 from qevict_jax.model_args import (
     add_model_args,

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from qevict_jax.compressed import DEFAULT_QUESTION_AGNOSTIC_METHOD, ContextPrompt
-from qevict_jax.methods.registry import make_method, options_for, parse_set_options
+from qevict_jax.methods.options import options_for, parse_set_options
+from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import (
     add_model_args,
     add_sampler_args,

@@ -27,36 +27,14 @@ from models.registry import DEFAULT_MODEL, resolve_model
 from models.tokenizer import Tokenizer
 from qevict_jax.compressed import DEFAULT_QUESTION_AGNOSTIC_METHOD, CompressedContext, compress_context
 from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod
-from qevict_jax.methods.registry import bind_tokenizer, make_method, parse_option_value
+from qevict_jax.methods.options import parse_method_spec
+from qevict_jax.methods.registry import bind_tokenizer, make_method
 from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.results import GenerationResult
 from qevict_jax.runtime.sampling import SamplerConfig
 from qevict_jax.runtime.streaming import TextStream
 
 Messages = Sequence[Mapping[str, str]]
-
-
-def parse_method_spec(spec: str) -> tuple[str, float | None, dict[str, Any]]:
-    """``"qevict:0.2,n_obs=64"`` -> ("qevict", 0.2, {"n_obs": 64}); the budget and the options are optional."""
-    head, *rest = [part.strip() for part in spec.split(",")]
-    name, sep, budget_text = head.partition(":")
-    if not name.strip():
-        raise ValueError(f"method spec {spec!r} names no method (expected name[:budget][,option=value...])")
-    budget = None
-    if sep:
-        try:
-            budget = float(budget_text)
-        except ValueError:
-            raise ValueError(
-                f"method spec {spec!r}: the budget after ':' must be a number, got {budget_text!r}"
-            ) from None
-    options: dict[str, Any] = {}
-    for item in rest:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"method spec {spec!r}: expected option=value, got {item!r}")
-        options[key.strip()] = parse_option_value(value)
-    return name.strip(), budget, options
 
 
 def resolve_method(method: str | KVMethod, budget: float | None = None, **options: Any) -> KVMethod:

@@ -14,7 +14,8 @@ import qevict_jax.eval.cli
 from qevict_jax.cli import main
 from qevict_jax.eval.cli import build_parser, run_eval
 from qevict_jax.eval.testing import EOS, ByteTokenizer, tiny_model
-from qevict_jax.methods.registry import make_method, options_for, parse_set_options
+from qevict_jax.methods.options import options_for, parse_set_options
+from qevict_jax.methods.registry import make_method
 from qevict_jax.pipeline import resolve_method
 from qevict_jax.runtime.sampling import SamplerConfig
 

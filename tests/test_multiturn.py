@@ -12,13 +12,12 @@ from tiny import decisive_model, roomy_method
 from models.config import ModelConfig
 from models.model import Transformer
 from qevict_jax.methods.full import FullKV
+from qevict_jax.methods.options import options_for, parse_set_options
 from qevict_jax.methods.registry import (
     available_methods,
     default_method,
     make_method,
     method_option,
-    options_for,
-    parse_set_options,
 )
 from qevict_jax.runtime.generate import SamplerConfig, generate, generate_shared
 

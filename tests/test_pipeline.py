@@ -11,7 +11,8 @@ import pytest
 import qevict_jax
 from qevict_jax.cli import build_parser, cmd_generate
 from qevict_jax.methods.full import FullKV
-from qevict_jax.pipeline import parse_method_spec, resolve_method
+from qevict_jax.methods.options import parse_method_spec
+from qevict_jax.pipeline import resolve_method
 from qevict_jax.runtime.generate import generate
 from qevict_jax.runtime.prefill import fit_method
 

@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 from models.model import Transformer
 from qevict_jax.diagnostics.report import passage_metrics, records, tables
 from qevict_jax.diagnostics.trace import num_events, passages, policy_trace, reference_trace
-from qevict_jax.methods.registry import make_method, options_for, parse_set_options
+from qevict_jax.methods.options import options_for, parse_set_options
+from qevict_jax.methods.registry import make_method
 from qevict_jax.model_args import add_model_args, kv_dtype, load
 
 DEFAULT_POLICIES = "r1,r2,r3,r4,qevict-nopromo,qevict-all"

@@ -25,7 +25,7 @@ from qevict_jax.eval.plots import write_summary
 from qevict_jax.eval.summary import merge_results, paired_markdown, paired_rows
 from qevict_jax.eval.sweep import check_config, compare_config, expand_jobs, lock_sweep, run_sweep
 from qevict_jax.eval.tasks import fidelity_sampler, floats, generation_length, generation_setup, ints, names
-from qevict_jax.methods.registry import parse_set_options
+from qevict_jax.methods.options import parse_set_options
 from qevict_jax.model_args import add_model_args, check_counts, eos_ids, kv_dtype, load
 
 DEFAULT_METHODS = "full,streamingllm,h2o,snapkv,kivi2,r2,qevict"

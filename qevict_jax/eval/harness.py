@@ -22,13 +22,13 @@ from qevict_jax.core.kv import DEFAULT_KV_DTYPE
 from qevict_jax.eval.fidelity import fidelity_stats
 from qevict_jax.eval.sweep import FULL, Job
 from qevict_jax.methods.full import FullKV
+from qevict_jax.methods.options import options_for
 from qevict_jax.methods.registry import (
     available_methods,
     bind_tokenizer,
     configure,
     make_method,
     method_option,
-    options_for,
 )
 from qevict_jax.runtime.compiled import EXECUTABLES
 from qevict_jax.runtime.generate import generate, generate_shared

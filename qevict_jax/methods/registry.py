@@ -81,7 +81,11 @@ def configure(method: KVMethod, budget: float | None = None, **options: Any) -> 
     own_fields = {f.name: f for f in dataclasses.fields(method) if f.name not in structure}
     cache_fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
     own = {k: _typed(k, v, own_fields[k], "") for k, v in options.items() if k in own_fields}
-    cfg = {k: _typed(k, v, cache_fields.get(k), _option_rule(k)) for k, v in options.items() if k not in own_fields}
+    cfg = {
+        k: _typed(k, v, cache_fields.get(k), _option_rule(k))
+        for k, v in options.items()
+        if k not in own_fields
+    }
     if "cache" in {f.name for f in dataclasses.fields(method)}:
         cache = method.cache
         if budget is not None:
@@ -171,36 +175,3 @@ def cache_stats(cache: Any) -> dict[str, Any]:
         "q_fill": float(active.sum(-1).mean() / caps.nq) if caps.nq else float("nan"),
         "dormant": int(((ledger_win >= 0) & ~active).sum()),
     }
-
-
-def parse_option_value(text: str) -> Any:
-    """A command-line option value: true/false, none, an int, a float, else the string itself."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_set_options(items: list[str] | None) -> dict[str | None, dict[str, Any]]:
-    """``--set`` items (``name=value`` for every method, ``method.name=value`` for one) ->
-    {method name or None: {option: value}}."""
-    scoped: dict[str | None, dict[str, Any]] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set takes name=value or method.name=value, got {item!r}")
-        scope, dot, name = key.strip().rpartition(".")
-        scoped.setdefault(scope if dot else None, {})[name] = parse_option_value(value)
-    return scoped
-
-
-def options_for(name: str, scoped: dict[str | None, dict[str, Any]]) -> dict[str, Any]:
-    """The options of method ``name`` from ``parse_set_options``' result (scoped ones win)."""
-    return {**scoped.get(None, {}), **scoped.get(name, {})}
