@@ -27,32 +27,13 @@ from qevict_jax.methods.full import Compressing
 from qevict_jax.rankings.reconstruction import Reconstruction
 from qevict_jax.rankings.scoring import Ranking, available_rankings, make_ranking
 
-QEVICT_OPTIONS = (
-    "sink",
-    "window",
-    "recent",
-    "omega",
-    "q_frac",
-    "bits",
-    "quant",
-    "ranking",
-    "q_rank",
-    "n_obs",
-    "max_pool_width",
-    "spill",
-    "q_spill",
-    "q_logit_bias",
-    "q_biased_mass",
-    "q_bias_gate",
-    "decay",
-    "p",
-    "promotion",
-    "prefill_chunk",
-    "pallas",
-    "budget_bytes",
-    "deferred_head_mean",
-)
-"""Options of the window-tier methods (QEvict, R1-R4): fields of their ``CacheConfig``."""
+NOT_WINDOW_OPTIONS = ("budget", "static")
+"""``CacheConfig`` fields that are not options of the window engine's methods: the budget is their own argument
+(``make_method(name, budget)``), and a compress-once cache is the token pool's."""
+
+QEVICT_OPTIONS = tuple(f.name for f in dataclasses.fields(CacheConfig) if f.name not in NOT_WINDOW_OPTIONS)
+"""Options of the window-tier methods (QEvict, R1-R4): every field of their ``CacheConfig`` the window engine
+reads, so a new field is an option where it is declared."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +53,14 @@ class WindowMethod(SizedByCapacities, Compressing):
     allocation: WindowAllocation = BudgetedTiers()
     options: tuple[str, ...] = QEVICT_OPTIONS
     protects_recent: bool = True
-    repeat_prompt: tuple[int, ...] = ()  # the kvzip ranking's repeat prompt (``reconstruction.repeat_prompt``)
+    # the kvzip ranking's repeat prompt (``reconstruction.repeat_prompt``)
+    repeat_prompt: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.cache.static:
-            raise ValueError(f"{self.name}: static (compress-once) caches are the token pool's, not the window engine's")
+            raise ValueError(
+                f"{self.name}: static (compress-once) caches are the token pool's, not the window engine's"
+            )
         ranking = self.ranking  # an unknown name is a ValueError listing the rankings
         if self.cache.deferred_head_mean and not ranking.linear_in_mass:
             linear = ", ".join(name for name, cls in available_rankings().items() if cls.linear_in_mass)
