@@ -22,6 +22,7 @@ from test_routing import reference_assignment
 from models.config import ModelConfig
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import Capacities, ring_capacity
+from qevict_jax.core.q_keys import q_key
 from qevict_jax.engines.migrate import apply_plan, dequantize_windows, quantize_windows
 from qevict_jax.engines.routing import Candidates, plan_counts, plan_for_row
 from qevict_jax.rankings.windows import key_norm_score
@@ -60,7 +61,7 @@ def caps_for(nl: int, quant: str = "channel", q_rank: str = "score") -> Capaciti
         bits=2,
         omega=8,
         quant=quant,
-        q_rank=q_rank,
+        q_rank=q_key(q_rank),
     )
 
 

@@ -35,6 +35,7 @@ from pallas_kernels.splitk import Launch
 from pallas_kernels.tiers import QuantTier
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
+from qevict_jax.core.q_keys import q_key
 from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.registry import cache_stats
 from qevict_jax.runtime.generate import generate
@@ -225,7 +226,7 @@ def test_a_rotated_q_window_costs_its_codes_and_grids():
                 bits=2,
                 omega=8,
                 quant=quant,
-                q_rank=q_rank,
+                q_rank=q_key(q_rank),
             )
             return sum(
                 x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_cache(caps, cfg, 1, jnp.bfloat16))
@@ -299,6 +300,6 @@ def test_qevict_in_the_rotated_format_with_room_for_everything_equals_full_kv(qu
     method = roomy_method("qevict", cfg, 300 + 12, **options)
     res = generate(model, [prompt], sampler, method, kv_dtype=jnp.float32)
     want = (quant, q_rank) if quant is not None else ("crot-k4v3", "blend")
-    assert res.compressed and (res.cache.caps.quant, res.cache.caps.q_rank) == want
+    assert res.compressed and (res.cache.caps.quant, res.cache.caps.q_rank.name) == want
     assert cache_stats(res.cache)["evictions"] == [0]
     assert res.tokens == generate(model, [prompt], sampler, FullKV(), kv_dtype=jnp.float32).tokens

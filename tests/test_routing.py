@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from models.config import ModelConfig
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import Capacities, ring_capacity
+from qevict_jax.core.q_keys import q_key
 from qevict_jax.engines.migrate import ROUTING_CHUNK, route_row, route_stacked
 from qevict_jax.engines.routing import NormScores, plan_counts, plan_routing, plan_row
 from qevict_jax.rankings.scoring import Ranking
@@ -39,7 +40,7 @@ def plan_of(*metadata, norms=None, **options):
 def jitted_plan(nq: int, promotion: bool, spill: int = 0, q_rank: str = "score", q_spill: int | None = None):
     return jax.jit(
         functools.partial(
-            plan_of, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS, q_rank=q_rank,
+            plan_of, nq=nq, promotion=promotion, spill=spill, num_windows=NUM_WINDOWS, q_rank=q_key(q_rank),
             q_spill=q_spill,
         )  # fmt: skip
     )
@@ -505,7 +506,7 @@ def test_a_decode_event_ranks_q_by_the_key_norm_of_the_ring_windows(q_rank):
     """A decode event over three ring windows scored 3, 2, 1 (NF = NQ = NL = 1), window 1's keys five times
     larger: F takes window 0 either way; Q takes window 1 by score, window 2 by key norm, which the ledger
     stores (float64 numpy norms of the ring's keys)."""
-    caps = dataclasses.replace(CAPS, ring=ring_capacity(0, W, 8), nq=1, nl=1, omega=8, q_rank=q_rank)
+    caps = dataclasses.replace(CAPS, ring=ring_capacity(0, W, 8), nq=1, nl=1, omega=8, q_rank=q_key(q_rank))
     cache = jax.tree.map(lambda x: x[0], init_cache(caps, MODEL, 1, jnp.float32))
     rng = np.random.default_rng(5)
     k = rng.standard_normal((MODEL.num_kv_heads, caps.ring, MODEL.head_dim))

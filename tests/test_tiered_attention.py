@@ -23,6 +23,7 @@ from pallas_kernels.tiers import Partial, QuantTier, dense_partial, merge_tiers
 from qevict_jax.core.cache import init_cache
 from qevict_jax.core.config import CacheConfig, Capacities, ring_capacity
 from qevict_jax.core.kv import CacheRequest
+from qevict_jax.core.q_keys import q_key
 from qevict_jax.engines.window import decode_layer, prefill_layer, tier_attention
 from qevict_jax.methods.full import FullKV
 from qevict_jax.methods.registry import cache_stats, make_method
@@ -409,7 +410,7 @@ def test_a_q_tier_ranked_by_key_norm_keeps_f_by_attention_and_q_by_key_norm(q_ra
     nf, nq = 1, 3
     caps = Capacities(
         sink=S, window=W, recent=R, ring=ring_capacity(R, W, 8), nf=nf, nq=nq, nl=nq, nw_max=16, bits=2, omega=8,
-        q_rank=q_rank,
+        q_rank=q_key(q_rank),
     )  # fmt: skip
     given = (1.0, 5.0, 0.5, 9.0, 0.1, 0.2, 3.0, 0.0)
     cache, k = prefill_one_layer(caps, GivenScores(scores=given), seed=11)

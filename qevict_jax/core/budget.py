@@ -19,6 +19,7 @@ from models.config import ModelConfig
 from qevict_jax.core.cache import abstract_cache
 from qevict_jax.core.config import CacheConfig, Capacities, num_windows, ring_capacity
 from qevict_jax.core.kv import CacheRequest, cache_nbytes, full_kv_bytes
+from qevict_jax.core.q_keys import q_key
 
 
 def sized(cache_cfg: CacheConfig, *, window: int | None = None, **sizes: Any) -> Capacities:
@@ -75,7 +76,7 @@ def solve_capacities(
     def caps(nf: int, nq: int, nl: int) -> Capacities:
         return sized(
             cache_cfg, recent=recent, ring=ring, nf=nf, nq=nq, nl=nl, nw_max=nw, quant=cache_cfg.quant,
-            deferred_head_mean=cache_cfg.deferred_head_mean, q_rank=cache_cfg.q_rank,
+            deferred_head_mean=cache_cfg.deferred_head_mean, q_rank=q_key(cache_cfg.q_rank),
             q_logit_bias=cache_cfg.q_logit_bias, q_biased_mass=cache_cfg.q_biased_mass,
             q_bias_gate=cache_cfg.q_bias_gate,
         )  # fmt: skip

@@ -43,7 +43,7 @@ class Ledger:
     codes: ``QuantizedWindows`` [B, Hkv, NL, ...] in the format ``caps.format`` (``pallas_kernels.formats``). win: [B, NL] int32 window id, -1 = free. active: [B, NL] bool.
     score: [B, NL] f32 ranking score (meaningful for active entries).
     norm_score: [B, NL | 0] f32 minus the mean key norm of each entry's window, set when it is quantized and
-    never changed (``caps.norm_scored``: the Q tier is ranked by it, ``CacheConfig.q_rank``; else 0 wide).
+    never changed (``caps.norm_scored``: the Q key reads it, ``q_keys.QKey``; else 0 wide).
     """
 
     codes: QuantizedWindows

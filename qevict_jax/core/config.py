@@ -9,9 +9,7 @@ import dataclasses
 
 from pallas_kernels.formats import QUANT_NAMES, ChannelKeys, QuantFormat, quant_format
 from qevict_jax.core.bounds import Bound, check_bounds
-
-Q_RANKS = ("score", "keynorm", "blend")
-"""The names ``CacheConfig.q_rank`` accepts: how the windows not in F compete for the Q tier."""
+from qevict_jax.core.q_keys import BY_SCORE, QKey, available_q_keys, q_key
 
 CACHE_BOUNDS = (
     Bound("bits", lambda v: v in (2, 4), "2 or 4"),
@@ -34,7 +32,7 @@ CACHE_BOUNDS = (
 
 def cache_option_rule(name: str) -> str:
     """The valid values of ``CacheConfig`` field ``name`` in words (its range or choices; "" when free)."""
-    choices = {"q_rank": Q_RANKS, "quant": QUANT_NAMES}
+    choices = {"q_rank": available_q_keys(), "quant": QUANT_NAMES}
     if name in choices:
         return "one of " + ", ".join(choices[name])
     if name == "budget":
@@ -164,8 +162,7 @@ class CacheConfig:
                 f"q_bias_gate={self.q_bias_gate} gates the Q tier's discount, but q_logit_bias is 0 "
                 f"(no discount): set q_logit_bias < 0 too, or leave q_bias_gate unset"
             )
-        if self.q_rank not in Q_RANKS:
-            raise ValueError(f"unknown q_rank {self.q_rank!r}; available: {', '.join(Q_RANKS)}")
+        q_key(self.q_rank)  # an unknown name is a ValueError listing the Q keys
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,7 +185,7 @@ class Capacities:
     pool: the cache is the token pool's (``cache.PoolCache``), else the window engine's (``TieredCache``).
     deferred_head_mean: the cache keeps per-KV-head running masses, folded into the scores at routing
         events (``CacheConfig.deferred_head_mean``).
-    q_rank: how windows compete for the Q tier (``CacheConfig.q_rank``).
+    q_rank: how windows compete for the Q tier (``q_keys``; named by ``CacheConfig.q_rank``).
     q_logit_bias, q_biased_mass, q_bias_gate: the Q tier's logit offset at decode, whether the scores see
         it, and which heads it applies to (``CacheConfig``).
     """
@@ -210,15 +207,19 @@ class Capacities:
     pool: bool = False
     quant: str = "channel"
     deferred_head_mean: bool = False
-    q_rank: str = "score"
+    q_rank: QKey = BY_SCORE
     q_logit_bias: float = 0.0
     q_biased_mass: bool = True
     q_bias_gate: float | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.q_rank, QKey):
+            raise TypeError(f"Capacities.q_rank is a Q key object (q_keys.q_key(name)), got {self.q_rank!r}")
+
     @property
     def norm_scored(self) -> bool:
-        """The ledger keeps each window's key-norm score (``q_rank`` other than "score")."""
-        return self.q_rank != "score"
+        """The ledger keeps each window's key-norm score (the Q key reads it)."""
+        return self.q_rank.reads_key_norm
 
     @property
     def format(self) -> QuantFormat:

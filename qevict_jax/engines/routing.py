@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qevict_jax.rankings.windows import blended_key, key_norm_score, spilled_key
+from qevict_jax.core.q_keys import BY_SCORE, QKey
+from qevict_jax.rankings.windows import key_norm_score, spilled_key
 
 
 class Candidates(NamedTuple):
@@ -80,7 +81,7 @@ class RoutingPlan(NamedTuple):
 
 class NormScores(NamedTuple):
     """Minus the mean key norm of the windows of one routing event (``key_norm_score``), for a Q tier
-    ranked by key norm (``CacheConfig.q_rank``): f [NF] of the F slots, ledger [NL] as stored, cand [K]."""
+    ranked by key norm (``q_keys.QKey.reads_key_norm``): f [NF] of the F slots, ledger [NL] as stored, cand [K]."""
 
     f: jax.Array
     ledger: jax.Array
@@ -145,7 +146,7 @@ def plan_routing(
     spill: int = 0,
     q_spill: int | None = None,
     num_windows: int = 0,
-    q_rank: str = "score",
+    q_rank: QKey = BY_SCORE,
     norms: NormScores | None = None,
 ) -> RoutingPlan:
     """Plan one routing event for one row.
@@ -155,9 +156,9 @@ def plan_routing(
     holds at most ``min(nq, NL - dormant entries after the event)`` (see the module docstring).
     spill: windows are ranked by ``windows.spilled_key`` over the windows taking part (ids < num_windows);
     the scores the plan stores are the windows' own. q_spill: the spill of the Q tier's key (None: ``spill``).
-    q_rank: the key of the Q tier among the windows not in F (``CacheConfig.q_rank``): "score" (the ranking
-    key, as F), "keynorm" (``norms``) or "blend" (``windows.blended_key`` of the two); ``norms``: the
-    windows' key-norm scores (needed unless "score").
+    q_rank: the key of the Q tier among the windows not in F (``q_keys.QKey``: the ranking key as F's, the
+    key norm, or a blend of the two); ``norms``: the windows' key-norm scores (needed when the Q key reads
+    them, ``q_rank.reads_key_norm``).
     """
     nf, nl, k = f_win.shape[0], ledger_win.shape[0], cand_win.shape[0]
     f_valid = f_win >= 0
@@ -184,11 +185,12 @@ def plan_routing(
     q_eligible = valid & ~in_f
     q_spill = spill if q_spill is None else q_spill
     q_key = key if q_spill == spill else spilled_key(wins, score, valid, q_spill, num_windows)
-    if q_rank != "score":
+    norm_key = None
+    if q_rank.reads_key_norm:
         # spilled as the score is: a needle's continuation keeps the tier its start earns by key norm
         norm = jnp.concatenate([norms.f, norms.ledger, norms.cand])
         norm_key = spilled_key(wins, norm, valid, q_spill, num_windows)
-        q_key = norm_key if q_rank == "keynorm" else blended_key(q_key, norm_key, q_eligible)
+    q_key = q_rank.key(q_key, norm_key, q_eligible)
     in_q = top_members(q_key, q_eligible, nq, q_cap)
     gone = valid & ~in_f & ~in_q
     f_in_q, q_in_q, c_in_q = jnp.split(in_q, [nf, nf + nl])
@@ -335,5 +337,3 @@ def idle_plan(row: Any) -> tuple[RoutingPlan, Candidates]:
     )
     cand = jnp.zeros((hkv, k, caps.window, d), row.ring_k.dtype)
     return plan, Candidates(cand, cand, jnp.full((k,), -1, jnp.int32))
-
-

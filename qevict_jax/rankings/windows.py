@@ -40,26 +40,6 @@ def spilled_key(
     return jnp.where(valid, jnp.maximum(score, spread[jnp.clip(win, 0, dump)]), score)
 
 
-def percentile_rank(key: jax.Array, eligible: jax.Array) -> jax.Array:
-    """[N] f32 share of the eligible entries that rank above each entry by ``key`` [N] (0 = best; ties in
-    index order, as ``lax.top_k`` takes them); 1 where not ``eligible`` [N] bool."""
-    order = jnp.argsort(-jnp.where(eligible, key.astype(jnp.float32), -jnp.inf), stable=True)
-    rank = jnp.zeros(key.shape, jnp.int32).at[order].set(jnp.arange(key.shape[0], dtype=jnp.int32))
-    count = jnp.maximum(jnp.sum(eligible, dtype=jnp.int32), 1)
-    return jnp.where(eligible, rank.astype(jnp.float32) / count, 1.0)
-
-
-def blended_key(score_key: jax.Array, norm_key: jax.Array, eligible: jax.Array) -> jax.Array:
-    """Ranking key [N] that keeps a window in the top of either key: minus the better of its percentile
-    ranks by ``score_key`` and by ``norm_key`` [N] among the ``eligible`` [N] entries.
-
-    An attention score knows what the prompt's last queries read; a key norm knows what no query has asked
-    for yet. Taking the better rank keeps both sets, half the room each when they do not overlap.
-    """
-    best = jnp.minimum(percentile_rank(score_key, eligible), percentile_rank(norm_key, eligible))
-    return -best
-
-
 def key_norms(k: jax.Array) -> jax.Array:
     """L2 norm of each key: k [..., D] -> [...] f32."""
     return jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1))
