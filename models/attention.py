@@ -65,9 +65,15 @@ def grouped_output(probs: jax.Array, v: jax.Array, out_dtype) -> jax.Array:
 
 
 def dense_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array,
-    sliding_window: int | None = None, logit_bias: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    sliding_window: int | None = None,
+    logit_bias: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D].
 
     logit_bias: added to the scaled logits before masking, broadcast against [B, Hkv, G, Tq, Tk] (the
@@ -85,10 +91,17 @@ def dense_attention(
 
 
 def chunked_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array,
-    sliding_window: int | None = None, chunk: int = 512, q_valid: jax.Array | None = None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    sliding_window: int | None = None,
+    chunk: int = 512,
+    q_valid: jax.Array | None = None,
     causal_blocks: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+) -> tuple[jax.Array, jax.Array]:
     """Attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D], one query chunk at a time.
 
     Also returns the exact column sums of the attention probabilities, ``mass [B, Hkv, G, Tk]`` (float32):
@@ -178,9 +191,15 @@ def _block_mask(q_pos, k_pos, qs, qlen, ks, klen, g: int, sliding_window: int | 
 
 
 def flash_causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array,
-    sliding_window: int | None, chunk: int,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    sliding_window: int | None,
+    chunk: int,
+) -> tuple[jax.Array, jax.Array]:
     """Causal attention of q [B, T, H, D] over k, v [B, S + T, Hkv, D]: the queries are the last T of the
     keys' tokens (S a multiple of ``chunk``; 0: the same tokens). Positions q_pos [B, T], k_pos [B, S + T],
     non-decreasing; k_pos -1 = invalid key. Blocks of ``chunk`` queries x ``chunk`` keys with an online
@@ -226,9 +245,16 @@ def flash_causal_attention(
 
 
 def causal_column_mass(
-    q: jax.Array, k: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array, lse: jax.Array, q_valid: jax.Array,
-    sliding_window: int | None, chunk: int,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    *,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    lse: jax.Array,
+    q_valid: jax.Array,
+    sliding_window: int | None,
+    chunk: int,
+) -> jax.Array:
     """Column sums [B, Hkv, G, T] f32 of the causal attention probabilities of ``flash_causal_attention``
     (same blocks, same logits), each query weighted by q_valid [B, T]: the probabilities of a block are
     ``exp(logit - lse)`` with the final log-sum-exp lse [B, Hkv, G, T] of each query."""
@@ -256,9 +282,16 @@ def causal_column_mass(
 
 
 def column_max(
-    q: jax.Array, k: jax.Array, *, q_pos: jax.Array, k_pos: jax.Array, lse: jax.Array, q_rows: jax.Array,
-    sliding_window: int | None, chunk: int,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    *,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    lse: jax.Array,
+    q_rows: jax.Array,
+    sliding_window: int | None,
+    chunk: int,
+) -> jax.Array:
     """Column maxima [B, Hkv, S] f32 of attention probabilities: for each key of k [B, S, Hkv, D] (positions
     k_pos [B, S], -1 invalid), the largest probability any query of q [B, T, H, D] (positions q_pos [B, T])
     in ``q_rows`` [B, T] bool gives it, over the G query heads of its KV head (0: none). The probabilities
@@ -287,9 +320,15 @@ def column_max(
 
 
 def prompt_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array, lengths: jax.Array,
-    sliding_window: int | None = None, chunk: int = 512,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    positions: jax.Array,
+    lengths: jax.Array,
+    sliding_window: int | None = None,
+    chunk: int = 512,
+) -> tuple[jax.Array, jax.Array]:
     """Causal attention of a right-padded prompt: q [B, T, H, D], k, v [B, T, Hkv, D] at positions [B, T],
     row b valid below lengths[b]. Returns (out [B, T, H, D], column mass [B, Hkv, G, T] of valid queries)."""
     valid = positions < lengths[:, None]

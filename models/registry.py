@@ -229,9 +229,15 @@ def _assemble(name: str, entry: RegisteredModel, parts: list[Path], target: Path
             digest = hashlib.sha256()
             with (
                 os.fdopen(fd, "wb") as out,
-                tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {target.name}",
-                     disable=None, leave=False) as bar,
-            ):  # fmt: skip
+                tqdm(
+                    total=total,
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"assembling {target.name}",
+                    disable=None,
+                    leave=False,
+                ) as bar,
+            ):
                 for part in parts:
                     with open(part, "rb") as f:
                         while chunk := f.read(1 << 24):

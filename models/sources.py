@@ -163,9 +163,17 @@ def _llama3_rope_from_factors(
     target = inv_freq / factors
     for cand in candidates:
         probe = ModelConfig(
-            family="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
-            num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta, rope_llama3=cand,
-        )  # fmt: skip
+            family="llama",
+            vocab_size=1,
+            hidden_size=head_dim,
+            intermediate_size=1,
+            num_layers=1,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=head_dim,
+            rope_theta=theta,
+            rope_llama3=cand,
+        )
         if np.allclose(probe.inv_freq(), target, rtol=1e-4, atol=0):
             return cand
     raise UnsupportedModelError(

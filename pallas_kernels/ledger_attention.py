@@ -103,9 +103,23 @@ def _dequant_rows(codes_ref, scale_ref, zero_ref, valid: jax.Array, bits: int) -
 
 
 def _ledger_kernel(
-    q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, start_ref, valid_ref, freq_ref, outs: PartialRefs,
-    *, window: int, bits: int, v_bits: int, plan: SplitPlan,
-):  # fmt: skip
+    q_ref,
+    kc_ref,
+    ks_ref,
+    kz_ref,
+    vc_ref,
+    vs_ref,
+    vz_ref,
+    start_ref,
+    valid_ref,
+    freq_ref,
+    outs: PartialRefs,
+    *,
+    window: int,
+    bits: int,
+    v_bits: int,
+    plan: SplitPlan,
+):
     """One program of the "channel" format (``ChannelKeys``). q [G, D]; keys: codes [CH, D, W*bits/8],
     scale and zero [CH, D] per channel; values: codes [CH, W, D*v_bits/8] (``pack_tokens``), scale and zero
     [CH, W] per token, in the stored basis; start, valid [CH] int32; freq [D/2] f32."""
@@ -153,9 +167,20 @@ def _dequant_tokens(codes_ref, scale_ref, zero_ref, rows, valid: jax.Array, bits
 
 
 def _rotated_kernel(
-    q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, valid_ref, outs: PartialRefs,
-    *, window: int, fmt: RotatedTokens, plan: SplitPlan,
-):  # fmt: skip
+    q_ref,
+    kc_ref,
+    ks_ref,
+    kz_ref,
+    vc_ref,
+    vs_ref,
+    vz_ref,
+    valid_ref,
+    outs: PartialRefs,
+    *,
+    window: int,
+    fmt: RotatedTokens,
+    plan: SplitPlan,
+):
     """One program of ``RotatedTokens``. q [G, D] rotated query; keys and values: codes [CH, W, D*bits/8],
     scale and zero [CH, W] per token; valid [CH] int32."""
     groups, d = q_ref.shape
@@ -170,9 +195,23 @@ def _rotated_kernel(
 
 
 def _centered_kernel(
-    q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, km_ref, start_ref, valid_ref, freq_ref,
-    outs: PartialRefs, *, window: int, fmt: RotatedTokens, plan: SplitPlan,
-):  # fmt: skip
+    q_ref,
+    kc_ref,
+    ks_ref,
+    kz_ref,
+    vc_ref,
+    vs_ref,
+    vz_ref,
+    km_ref,
+    start_ref,
+    valid_ref,
+    freq_ref,
+    outs: PartialRefs,
+    *,
+    window: int,
+    fmt: RotatedTokens,
+    plan: SplitPlan,
+):
     """One program of ``RotatedTokens`` with centered keys. q [G, 2D]: the rotated query, then the query;
     codes as ``_rotated_kernel``'s; km [CH, D] f16 each window's pre-RoPE key mean; start, valid [CH] int32;
     freq [D/2] f32. Logits: ``q_rot . codes + q . RoPE_t(mean)``, the mean re-rotated in-kernel."""
@@ -187,7 +226,9 @@ def _centered_kernel(
         k = _dequant_tokens(kc_ref, ks_ref, kz_ref, rows, valid, fmt.k_bits)
         v = _dequant_tokens(vc_ref, vs_ref, vz_ref, rows, valid, fmt.v_bits)
         mask = jnp.broadcast_to(valid[:, None], (valid.shape[0], half))
-        m1 = masked_load(km_ref.at[rows, pl.ds(0, half)], mask).astype(jnp.float32)[:, :, None]  # [BS, D/2, 1]
+        m1 = masked_load(km_ref.at[rows, pl.ds(0, half)], mask).astype(jnp.float32)[
+            :, :, None
+        ]  # [BS, D/2, 1]
         m2 = masked_load(km_ref.at[rows, pl.ds(half, half)], mask).astype(jnp.float32)[:, :, None]
         cos, sin = window_cos_sin(start_ref[rows], theta, window)  # [BS, D/2, W]
         r1, r2 = m1 * cos - m2 * sin, m2 * cos + m1 * sin
@@ -202,7 +243,13 @@ def _centered_kernel(
 
 
 def _rotated_call(
-    q: jax.Array, q_rot: jax.Array, tier: QuantTier, inv_freq: jax.Array, fmt: RotatedTokens, *, launch: Launch
+    q: jax.Array,
+    q_rot: jax.Array,
+    tier: QuantTier,
+    inv_freq: jax.Array,
+    fmt: RotatedTokens,
+    *,
+    launch: Launch,
 ) -> Partial:
     """``tiers.RotatedAttention`` by ``_rotated_kernel``, or ``_centered_kernel`` for centered keys
     (split-K over the slots, as the channel kernel)."""
@@ -263,7 +310,13 @@ def _check_ledger_shapes(
 
 @functools.partial(jax.jit, static_argnames=("window", "fmt", "launch"))
 def ledger_attention(
-    q: jax.Array, tier: QuantTier, inv_freq: jax.Array, *, window: int, fmt: QuantFormat, launch: Launch = DEFAULT_LAUNCH
+    q: jax.Array,
+    tier: QuantTier,
+    inv_freq: jax.Array,
+    *,
+    window: int,
+    fmt: QuantFormat,
+    launch: Launch = DEFAULT_LAUNCH,
 ) -> Partial:
     """Attention partial of one decode query per head over the packed ledger (Pallas kernel).
 

@@ -75,11 +75,20 @@ def solve_capacities(
 
     def caps(nf: int, nq: int, nl: int) -> Capacities:
         return sized(
-            cache_cfg, recent=recent, ring=ring, nf=nf, nq=nq, nl=nl, nw_max=nw, quant=cache_cfg.quant,
-            deferred_head_mean=cache_cfg.deferred_head_mean, q_rank=q_key(cache_cfg.q_rank),
-            q_logit_bias=cache_cfg.q_logit_bias, q_biased_mass=cache_cfg.q_biased_mass,
+            cache_cfg,
+            recent=recent,
+            ring=ring,
+            nf=nf,
+            nq=nq,
+            nl=nl,
+            nw_max=nw,
+            quant=cache_cfg.quant,
+            deferred_head_mean=cache_cfg.deferred_head_mean,
+            q_rank=q_key(cache_cfg.q_rank),
+            q_logit_bias=cache_cfg.q_logit_bias,
+            q_biased_mass=cache_cfg.q_biased_mass,
             q_bias_gate=cache_cfg.q_bias_gate,
-        )  # fmt: skip
+        )
 
     fixed = _cache_bytes(caps(0, 0, 0), model_cfg, batch, dtype)
     per_f = _cache_bytes(caps(1, 0, 0), model_cfg, batch, dtype) - fixed
@@ -155,9 +164,14 @@ class BudgetTooSmallError(ValueError):
 
 
 def _fixed_and_unit_bytes(
-    caps: Callable[[int], Capacities], *, unit: int, bytes_of: Callable[[Capacities], int], budget: int, full: int,
+    caps: Callable[[int], Capacities],
+    *,
+    unit: int,
+    bytes_of: Callable[[Capacities], int],
+    budget: int,
+    full: int,
     holds: str,
-) -> tuple[int, int]:  # fmt: skip
+) -> tuple[int, int]:
     """(bytes of ``caps(0)``, bytes one more ``unit`` adds) of a cache whose size is linear in its one free
     capacity; ``BudgetTooSmallError`` (naming what the smallest cache ``holds``) when not even one unit fits."""
     fixed = bytes_of(caps(0))
@@ -185,7 +199,12 @@ def solve_local_capacities(
 
     bytes_of = functools.partial(_cache_bytes, model_cfg=model_cfg, batch=batch, dtype=dtype)
     fixed, per_w = _fixed_and_unit_bytes(
-        caps, unit=w, bytes_of=bytes_of, budget=budget, full=full, holds=f"{cache_cfg.sink} sinks and one window"
+        caps,
+        unit=w,
+        bytes_of=bytes_of,
+        budget=budget,
+        full=full,
+        holds=f"{cache_cfg.sink} sinks and one window",
     )
     r = (budget - fixed) // per_w * w
     while r > 0 and bytes_of(caps(r)) > budget:
@@ -282,7 +301,9 @@ class BudgetedTiers:
     def capacities(self, cache_cfg: CacheConfig, request: CacheRequest) -> Capacities:
         r = request
         max_windows = num_windows(r.max_tokens, cache_cfg.sink, cache_cfg.window)
-        return solve_capacities(cache_cfg, r.model_cfg, r.batch, r.budget_tokens, r.dtype, max_windows=max_windows)
+        return solve_capacities(
+            cache_cfg, r.model_cfg, r.batch, r.budget_tokens, r.dtype, max_windows=max_windows
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,4 +326,6 @@ class KeepAll:
     uses_budget: ClassVar[bool] = False
 
     def capacities(self, cache_cfg: CacheConfig, request: CacheRequest) -> Capacities:
-        return keep_all_capacities(cache_cfg, num_windows(request.max_tokens, cache_cfg.sink, cache_cfg.window))
+        return keep_all_capacities(
+            cache_cfg, num_windows(request.max_tokens, cache_cfg.sink, cache_cfg.window)
+        )

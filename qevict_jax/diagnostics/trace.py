@@ -170,13 +170,22 @@ def _policy_prefill(
     b, p = tokens.shape
     lengths = jnp.full((b,), p, jnp.int32)
     request = CacheRequest(
-        model_cfg=model.cfg, batch=b, prompt_capacity=p, max_new_tokens=capacity_new, dtype=kv_dtype,
+        model_cfg=model.cfg,
+        batch=b,
+        prompt_capacity=p,
+        max_new_tokens=capacity_new,
+        dtype=kv_dtype,
         budget_tokens=p + capacity_new,
-    )  # fmt: skip
+    )
     cache = method.init_cache(request, lengths)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     _, cache = model(
-        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights,
+        tokens,
+        positions,
+        cache,
+        attend=method.prefill_attend,
+        logit_index=lengths - 1,
+        weights=weights,
         stacked_cache=method.stacked_cache,
     )
     return (cache, *window_view(cache, nw))
@@ -193,9 +202,13 @@ def _policy_interval(graphdef, state, cache, tokens, start, method: KVMethod, nw
         token, i = xs
         attend = method.decode_attend
         _, cache = model(
-            token[:, None], (start + i)[:, None], cache, attend=attend, weights=weights,
+            token[:, None],
+            (start + i)[:, None],
+            cache,
+            attend=attend,
+            weights=weights,
             stacked_cache=method.stacked_cache,
-        )  # fmt: skip
+        )
         return cache
 
     def body(cache, xs):

@@ -271,9 +271,15 @@ def ring_candidates(row: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def plan_for_row(
-    row: Any, cand_win: jax.Array, cand_score: jax.Array, promotion: bool, spill: int = 0, *,
-    q_spill: int | None = None, cand_norm: jax.Array | None = None,
-) -> RoutingPlan:  # fmt: skip
+    row: Any,
+    cand_win: jax.Array,
+    cand_score: jax.Array,
+    promotion: bool,
+    spill: int = 0,
+    *,
+    q_spill: int | None = None,
+    cand_norm: jax.Array | None = None,
+) -> RoutingPlan:
     """``plan_routing`` of one row of a ``TieredCache`` against candidates cand_win, cand_score [K];
     cand_norm [K]: their key-norm scores (``key_norm_score``), needed when ``caps.norm_scored``."""
     caps = row.caps

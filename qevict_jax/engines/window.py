@@ -33,9 +33,15 @@ from qevict_jax.rankings.windows import key_norm_score, prompt_windows
 
 
 def prefill_layer(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, *, ranking: Ranking,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: TieredCache,
+    ctx: LayerContext,
+    *,
+    ranking: Ranking,
     config: CacheConfig,
-) -> tuple[jax.Array, TieredCache]:  # fmt: skip
+) -> tuple[jax.Array, TieredCache]:
     """Prompt attention for one layer and routing of the prompt's KV into the tiers (docs/design.md §6).
 
     q [B, T, H, D], k, v [B, T, Hkv, D] post-RoPE, rows right-padded (row b: positions < cache.length[b]).
@@ -50,7 +56,9 @@ def prefill_layer(
     out, mass, q, k, v = shared_prompt_attention(q, k, v, lengths, ctx, config.prefill_chunk)
     num_prompt_windows = max(0, -(-(t - s) // w))
     prompt = PromptPass.of_layer(q, k, v, lengths=lengths, column_mass=mass, ctx=ctx)
-    scores = ranking.prefill_window_scores(prompt, sink=s, window=w, num_windows=num_prompt_windows)  # [B, NWP]
+    scores = ranking.prefill_window_scores(
+        prompt, sink=s, window=w, num_windows=num_prompt_windows
+    )  # [B, NWP]
 
     routed = jnp.maximum(0, jnp.floor_divide(lengths - s - caps.recent, w))  # [B] windows leaving the prompt
     win_ids = jnp.arange(num_prompt_windows, dtype=jnp.int32)
@@ -72,7 +80,9 @@ def prefill_layer(
     rw = caps.ring_windows
     slot_ids = jnp.arange(rw, dtype=jnp.int32)
     slot_win = routed[:, None] + jnp.mod(slot_ids[None] - routed[:, None], rw)  # [B, RW]
-    ring_score = jnp.take_along_axis(jnp.pad(scores, ((0, 0), (0, 1))), jnp.clip(slot_win, 0, num_prompt_windows), axis=1)
+    ring_score = jnp.take_along_axis(
+        jnp.pad(scores, ((0, 0), (0, 1))), jnp.clip(slot_win, 0, num_prompt_windows), axis=1
+    )
     ring_score = jnp.where(s + slot_win * w < lengths[:, None], ring_score, 0.0)
     cache = cache.replace(ring_score=ring_score.astype(jnp.float32))
     return out, cache
@@ -159,7 +169,9 @@ def tier_attention(
     if use_kernel and sliding_window is None:
         partials = functools.partial(fused_partials(), window=w, fmt=caps.format)
     else:
-        partials = functools.partial(tier_partials, window=w, fmt=caps.format, ledger_attention=ledger_attention)
+        partials = functools.partial(
+            tier_partials, window=w, fmt=caps.format, ledger_attention=ledger_attention
+        )
     # on a mesh every device attends over its own rows and KV heads (the kernels have no partitioning rule:
     # XLA would gather the tiers); the merge, a softmax combine per head and a head mean, runs after
     dense = DenseTier(ROW_HEADS, ROW_HEADS, ROWS)
@@ -187,9 +199,15 @@ def tier_attention(
 
 
 def decode_layer(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: TieredCache, ctx: LayerContext, *, ranking: Ranking,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: TieredCache,
+    ctx: LayerContext,
+    *,
+    ranking: Ranking,
     use_kernel: bool = False,
-) -> tuple[jax.Array, TieredCache]:  # fmt: skip
+) -> tuple[jax.Array, TieredCache]:
     """One decode step of one layer: q [B, 1, H, D], k, v [B, 1, Hkv, D] post-RoPE -> (out [B, 1, H, D],
     cache).
 
@@ -216,7 +234,9 @@ def decode_layer(
     mass = lambda m, score: jnp.zeros_like(score) if deferred else m
     cache = cache.replace(
         f_score=ranking.update(cache.f_score, mass(att.f_mass, cache.f_score)),
-        ledger=cache.ledger.replace(score=ranking.update(cache.ledger.score, mass(att.q_mass, cache.ledger.score))),
+        ledger=cache.ledger.replace(
+            score=ranking.update(cache.ledger.score, mass(att.q_mass, cache.ledger.score))
+        ),
         ring_score=ranking.update(cache.ring_score, mass(att.ring_mass, cache.ring_score)),  # [B, RW]
         steps=cache.steps + 1,
     )

@@ -232,10 +232,15 @@ class GenerationHarness:
             method = self.methods[names[0]]
             results = [
                 self.generate_fn(
-                    self.model, [p.ids], sampler, method, seed=self.seed, question_starts=starts,
+                    self.model,
+                    [p.ids],
+                    sampler,
+                    method,
+                    seed=self.seed,
+                    question_starts=starts,
                     kv_dtype=self.kv_dtype,
                 )
-            ]  # fmt: skip
+            ]
         wall = (time.perf_counter() - t0) / (len(names) * len(group))
         for name, res in zip(names, results, strict=True):
             for row, s in enumerate(group):

@@ -122,9 +122,18 @@ def bars_figure(records: Sequence[Mapping[str, Any]], score_name: str = "score",
                     continue
                 score, n = cells[task][method]
                 err = _percent_interval(score, n) if intervals else (0.0, 0.0)
-                ax.barh(y, score, height=0.8, color=f"C{i}", hatch=_HATCHES[i % len(_HATCHES)], alpha=0.85,
-                        edgecolor="white", xerr=[[e] for e in err] if intervals else None, capsize=2,
-                        error_kw={"elinewidth": 0.8})  # fmt: skip
+                ax.barh(
+                    y,
+                    score,
+                    height=0.8,
+                    color=f"C{i}",
+                    hatch=_HATCHES[i % len(_HATCHES)],
+                    alpha=0.85,
+                    edgecolor="white",
+                    xerr=[[e] for e in err] if intervals else None,
+                    capsize=2,
+                    error_kw={"elinewidth": 0.8},
+                )
                 ax.text(min(score + err[1] + 1.5, 101), y, f"{score:.3g} (n={n})", va="center", fontsize=7)
             ticks.append(top)
             labels.append(task)
@@ -206,10 +215,19 @@ def _draw_panel(
             yerr = list(
                 zip(*(_percent_interval(y, counts[(method, x)]) for x, y in points[method]), strict=True)
             )
-        ax.errorbar(xs, ys, yerr=yerr, marker=_MARKERS[i % len(_MARKERS)], markersize=7, alpha=0.85,
-                    capsize=3, label=method)  # fmt: skip
-        ax.annotate(method, (xs[-1], ys[-1]), xytext=(6, 0), textcoords="offset points", fontsize=7,
-                    va="center")  # fmt: skip
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=yerr,
+            marker=_MARKERS[i % len(_MARKERS)],
+            markersize=7,
+            alpha=0.85,
+            capsize=3,
+            label=method,
+        )
+        ax.annotate(
+            method, (xs[-1], ys[-1]), xytext=(6, 0), textcoords="offset points", fontsize=7, va="center"
+        )
     if full:
         y = sum(p[1] for p in full) / len(full)
         ax.axhline(y, color="black", linestyle="--", linewidth=1.2, label=f"Full-KV ({y:.3g})")

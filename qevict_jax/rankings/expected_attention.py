@@ -90,7 +90,9 @@ def expected_attention_scores(
     plus one; padding scores 0.
     """
     if n_future_positions < 1 or n_sink < 0:
-        raise ValueError(f"n_future_positions must be >= 1 and n_sink >= 0, got {n_future_positions}, {n_sink}")
+        raise ValueError(
+            f"n_future_positions must be >= 1 and n_sink >= 0, got {n_future_positions}, {n_sink}"
+        )
     b, t, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
@@ -132,8 +134,16 @@ class ExpectedAttentionRanking(PriorRanking):
 
     def token_prior(self, prompt: PromptPass) -> jax.Array:
         if prompt.v is None or prompt.inv_freq is None:
-            raise ValueError("the expected-attention ranking needs the values and the layer's RoPE frequencies")
+            raise ValueError(
+                "the expected-attention ranking needs the values and the layer's RoPE frequencies"
+            )
         return expected_attention_scores(
-            prompt.q, prompt.k, prompt.v, positions=prompt.positions, lengths=prompt.lengths,
-            inv_freq=prompt.inv_freq, n_future_positions=self.n_future_positions, epsilon=self.epsilon,
-        )  # fmt: skip
+            prompt.q,
+            prompt.k,
+            prompt.v,
+            positions=prompt.positions,
+            lengths=prompt.lengths,
+            inv_freq=prompt.inv_freq,
+            n_future_positions=self.n_future_positions,
+            epsilon=self.epsilon,
+        )

@@ -67,9 +67,13 @@ def _decode(
         token = state.tokens[:, state.step]
         pos = (lengths + state.step)[:, None]
         logits, cache = model(
-            token[:, None], pos, state.cache, attend=method.decode_attend, weights=weights,
+            token[:, None],
+            pos,
+            state.cache,
+            attend=method.decode_attend,
+            weights=weights,
             stacked_cache=method.stacked_cache,
-        )  # fmt: skip
+        )
         cache = constrain_cache(method.decode_route(cache, inv_freq), mesh)
         nxt = sample(logits[:, 0], key, sampler)
         nxt = jnp.where(state.done, eos[0], nxt)
@@ -124,7 +128,12 @@ def _teacher_forced(
         attend = method.decode_attend
         positions = (lengths + step)[:, None]
         logits, cache = model(
-            token[:, None], positions, cache, attend=attend, weights=weights, stacked_cache=method.stacked_cache
+            token[:, None],
+            positions,
+            cache,
+            attend=attend,
+            weights=weights,
+            stacked_cache=method.stacked_cache,
         )
         cache = method.decode_route(cache, inv_freq)
         return cache, jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)

@@ -125,9 +125,17 @@ def generate(
         )
         if fit.compressed:  # the first turn where the method saves bytes: compress all of it, as a prefill
             result = generate_shared(
-                model, sequences, sampler, [requested], seed=seed, budget_rounding=budget_rounding,
-                kv_dtype=past.kv_dtype, mesh=mesh, on_token=on_token, growing=True,
-            )[0]  # fmt: skip
+                model,
+                sequences,
+                sampler,
+                [requested],
+                seed=seed,
+                budget_rounding=budget_rounding,
+                kv_dtype=past.kv_dtype,
+                mesh=mesh,
+                on_token=on_token,
+                growing=True,
+            )[0]
             return dataclasses.replace(result, prompt_lengths=[len(p) for p in prompts])  # this turn's tokens
     turns = [[pending, *p] for pending, p in zip(past.pending, prompts, strict=True)]
     start = np.asarray(past.next_positions, np.int32)

@@ -63,9 +63,8 @@ def split_questions(
             raise ValueError(
                 f"prompt {i}: question start {qs} is outside (0, {len(p)}): no context or no question"
             )
-    return [list(p[:qs]) for p, qs in zip(prompts, question_starts, strict=True)], [
-        list(p[qs:]) for p, qs in zip(prompts, question_starts, strict=True)
-    ]
+    pairs = list(zip(prompts, question_starts, strict=True))
+    return [list(p[:qs]) for p, qs in pairs], [list(p[qs:]) for p, qs in pairs]
 
 
 def tokens_for_budget(
@@ -146,9 +145,13 @@ def fit_method(
     """
     lengths = np.asarray(lengths, np.int32)
     plan = functools.partial(
-        planned_cache, model_cfg=model_cfg, lengths=lengths, max_new_tokens=max_new_tokens,
-        budget_rounding=budget_rounding, kv_dtype=kv_dtype,
-    )  # fmt: skip
+        planned_cache,
+        model_cfg=model_cfg,
+        lengths=lengths,
+        max_new_tokens=max_new_tokens,
+        budget_rounding=budget_rounding,
+        kv_dtype=kv_dtype,
+    )
     whole = full_kv_bytes(model_cfg, int(lengths.max()) + max_new_tokens, kv_dtype, len(lengths))
     try:
         planned = plan(method)
@@ -230,9 +233,13 @@ def prefill_logits(
     """
     b, p = tokens.shape
     request = CacheRequest(
-        model_cfg=model.cfg, batch=b, prompt_capacity=p, max_new_tokens=max_new_tokens, dtype=kv_dtype,
+        model_cfg=model.cfg,
+        batch=b,
+        prompt_capacity=p,
+        max_new_tokens=max_new_tokens,
+        dtype=kv_dtype,
         budget_tokens=budget_tokens,
-    )  # fmt: skip
+    )
     cache = method.init_cache(request, lengths)
     cache = constrain_cache(cache, mesh)
     recon, prior = shared_reconstruction(method)
@@ -243,9 +250,14 @@ def prefill_logits(
         return logits, constrain_cache(cache, mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, cache = model(
-        tokens, positions, cache, attend=method.prefill_attend, logit_index=lengths - 1, weights=weights,
+        tokens,
+        positions,
+        cache,
+        attend=method.prefill_attend,
+        logit_index=lengths - 1,
+        weights=weights,
         stacked_cache=method.stacked_cache,
-    )  # fmt: skip
+    )
     return logits, constrain_cache(cache, mesh)
 
 
@@ -320,7 +332,11 @@ def _append(
         token, i = xs
         active = i < count
         logits, new = model(
-            token[:, None], (start + i)[:, None], cache, attend=method.decode_attend, weights=weights,
+            token[:, None],
+            (start + i)[:, None],
+            cache,
+            attend=method.decode_attend,
+            weights=weights,
             stacked_cache=method.stacked_cache,
         )
         new = method.decode_route(new, inv_freq)
