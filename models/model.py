@@ -288,33 +288,21 @@ class Transformer(nnx.Module):
         stacked = self.layers.stacked()
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        if stacked_cache:
-            # The whole stacked cache rides in the scan carry and the attend fn updates its layer in place:
-            # a decode step then writes one token instead of copying every layer's cache (scan xs -> ys).
-            def body_stacked(carry, xs):
-                x, cache = carry
-                p, layer = xs
-                ctx = LayerContext(
-                    positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg, weights=weights
-                )
-                x, cache = self._layer(x, p, cache, ctx, attend, token_chunk)
-                return (x, cache), None
 
-            (x, cache), _ = jax.lax.scan(body_stacked, (x, cache), (stacked, layer_ids))
-        else:
-            # The stacked cache rides in the scan carry too: each layer reads its slice and writes back only
-            # the fields its attend fn replaced (``write_layer``), so a decode step copies no unchanged tier.
-            def body(carry, xs):
-                x, cache = carry
-                p, layer = xs
-                ctx = LayerContext(
-                    positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg, weights=weights
-                )
-                old = read_layer(cache, layer)
-                x, new = self._layer(x, p, old, ctx, attend, token_chunk)
-                return (x, write_layer(cache, old, new, layer)), None
+        # The stacked cache rides in the scan carry: the attend fn updates its layer in place
+        # (``stacked_cache``), or reads its slice and writes back only the fields it replaced
+        # (``attend_stacked``), so a decode step copies no unchanged tier (scan xs -> ys would copy all).
+        def layer_attend(q, k, v, layer_cache, ctx):
+            return attend_stacked(attend, q, k, v, layer_cache, ctx, stacked_cache=stacked_cache)
 
-            (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, layer_ids))
+        def body(carry, xs):
+            x, cache = carry
+            p, layer = xs
+            ctx = LayerContext(positions=positions, layer=layer, inv_freq=inv_freq, cfg=cfg, weights=weights)
+            x, cache = self._layer(x, p, cache, ctx, layer_attend, token_chunk)
+            return (x, cache), None
+
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, layer_ids))
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
