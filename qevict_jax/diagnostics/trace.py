@@ -32,7 +32,7 @@ from models.model import LayerContext, Transformer
 from qevict_jax.core.budget import BudgetedTiers
 from qevict_jax.core.cache import TieredCache
 from qevict_jax.core.config import num_windows
-from qevict_jax.core.kv import DEFAULT_KV_DTYPE, CacheRequest, KVMethod
+from qevict_jax.core.kv import DEFAULT_KV_DTYPE, KVMethod
 from qevict_jax.diagnostics.metrics import LOCAL, E, F, Q
 from qevict_jax.engines.window import fold_head_means
 from qevict_jax.eval.fidelity import fidelity_sample
@@ -40,7 +40,7 @@ from qevict_jax.methods.qevict import WindowMethod
 from qevict_jax.rankings.attention_scores import observation_mass
 from qevict_jax.rankings.scoring import Ranking
 from qevict_jax.runtime.compiled import EXECUTABLES
-from qevict_jax.runtime.prefill import method_weights
+from qevict_jax.runtime.prefill import method_weights, prefill_logits
 
 # ---------------------------------------------------------------------------------------------- reference
 
@@ -169,24 +169,15 @@ def _policy_prefill(
     model: Transformer = nnx.merge(graphdef, state)
     b, p = tokens.shape
     lengths = jnp.full((b,), p, jnp.int32)
-    request = CacheRequest(
-        model_cfg=model.cfg,
-        batch=b,
-        prompt_capacity=p,
-        max_new_tokens=capacity_new,
-        dtype=kv_dtype,
-        budget_tokens=p + capacity_new,
-    )
-    cache = method.init_cache(request, lengths)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    _, cache = model(
+    _, cache = prefill_logits(
+        model,
         tokens,
-        positions,
-        cache,
-        attend=method.prefill_attend,
-        logit_index=lengths - 1,
+        lengths,
+        method,
+        max_new_tokens=capacity_new,
+        budget_tokens=p + capacity_new,
+        kv_dtype=kv_dtype,
         weights=weights,
-        stacked_cache=method.stacked_cache,
     )
     return (cache, *window_view(cache, nw))
 
